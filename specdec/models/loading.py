@@ -1,0 +1,281 @@
+"""Checkpoint loading: GGUF files (llama.cpp) and Hugging Face-style directories (config.json + safetensors).
+
+Both produce the same thing: a `ModelConfig`, float32 NumPy weights in the canonical stacked layout of
+`specdec.models.transformer`, and a `Tokenizer` built from the checkpoint itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from specdec.models.config import ModelConfig
+from specdec.models.registry import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError, resolve
+from specdec.models.tokenizer import Tokenizer
+from specdec.models.transformer import layer_param_shapes
+
+# ----------------------------------------------------------------------------------------------------------
+# GGUF
+# ----------------------------------------------------------------------------------------------------------
+
+GGUF_LAYER_NAMES = {  # llama.cpp tensor name -> our layer key
+    "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+    "ffn_norm": "mlp_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+}
+GGUF_SUPPORTED_ARCHS = ("llama",)
+
+
+def unpermute_qk(w_out_in: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation so the usual rotate-half RoPE applies.
+
+    llama.cpp's converter interleaves the two halves of each head's rows (for its interleaved-pair RoPE).
+    Keeping those rows with rotate-half RoPE gives fluent-looking garbage, so every Q and K is restored here.
+    """
+    out_dim, in_dim = w_out_in.shape
+    head_dim = out_dim // num_heads
+    return (w_out_in.reshape(num_heads, head_dim // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim))
+
+
+def _field(reader, key, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def read_gguf(path: Path):
+    import gguf
+
+    size = path.stat().st_size
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises a mix of ValueError / struct.error / IndexError
+        raise CorruptCheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise CorruptCheckpointError(f"{path}: truncated (tensor {t.name} ends past the end of the file)")
+    return reader
+
+
+def load_gguf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict, Tokenizer]:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = read_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_SUPPORTED_ARCHS:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_SUPPORTED_ARCHS)})")
+
+    def meta(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    num_heads = int(meta("attention.head_count"))
+    num_kv_heads = int(meta("attention.head_count_kv", num_heads))
+    hidden = int(meta("embedding_length"))
+    tensors = {t.name: t for t in reader.tensors}
+    tokenizer = Tokenizer.from_gguf(reader)
+    head_dim = int(meta("rope.dimension_count", hidden // num_heads))
+    cfg = ModelConfig(
+        vocab_size=int(meta("vocab_size", tensors["token_embd.weight"].shape[-1])),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        dtype=dtype,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        name=str(_field(reader, "general.name", path.stem)),
+    )
+
+    def tensor(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise CorruptCheckpointError(f"{path}: missing tensor {name!r}")
+        t = tensors[name]
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise UnsupportedModelError(
+                f"{path}: tensor {name} uses quantization {t.tensor_type.name}, which cannot be dequantized "
+                f"by the installed gguf package ({e})") from e
+        return np.asarray(arr, dtype=np.float32)
+
+    shapes = layer_param_shapes(cfg)
+    layers = {key: np.empty((cfg.num_layers, *shape), np.float32) for key, shape in shapes.items()}
+    for i in range(cfg.num_layers):
+        for gguf_name, key in GGUF_LAYER_NAMES.items():
+            if key not in shapes:
+                continue
+            w = tensor(f"blk.{i}.{gguf_name}.weight")  # [out, in] (or [n] for norms)
+            if key == "wq":
+                w = unpermute_qk(w, num_heads)
+            elif key == "wk":
+                w = unpermute_qk(w, num_kv_heads)
+            if w.ndim == 2:
+                w = w.T
+            if w.shape != shapes[key]:
+                raise CorruptCheckpointError(
+                    f"{path}: blk.{i}.{gguf_name}.weight has shape {w.shape}, expected {shapes[key]}")
+            layers[key][i] = w
+    params = {"embed": tensor("token_embd.weight"), "final_norm": tensor("output_norm.weight"), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = tensor("output.weight").T
+    return cfg, params, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face-style directories
+# ----------------------------------------------------------------------------------------------------------
+
+HF_ARCHS = {
+    # architecture name -> flags that differ from plain Llama
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"attention_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv", "self_attn.o_proj.weight": "wo",
+    "post_attention_layernorm.weight": "mlp_norm", "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
+    "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+}
+
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+                      "I64": np.int64, "I32": np.int32}
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Read a .safetensors file into float32 NumPy arrays (bf16 widened exactly), checking its integrity."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CorruptCheckpointError(f"{path}: truncated safetensors file (no header)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise CorruptCheckpointError(f"{path}: truncated or corrupt safetensors header")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptCheckpointError(f"{path}: corrupt safetensors header ({e})") from e
+    data_start = 8 + header_len
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise UnsupportedModelError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        if data_start + end > size:
+            raise CorruptCheckpointError(f"{path}: truncated (tensor {name} ends past the end of the file)")
+        arr = np.frombuffer(raw[data_start + begin:data_start + end].tobytes(), dtype=dtype)
+        if info["dtype"] == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        out[name] = arr.astype(np.float32).reshape(info["shape"])
+    return out
+
+
+def load_hf_dir(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict, Tokenizer]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFoundError(f"{path}: a model directory needs config.json (and *.safetensors)")
+    hf = json.loads(config_file.read_text())
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in HF_ARCHS), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"{path}: architecture {archs or hf.get('model_type')!r} is not supported "
+            f"(supported: {', '.join(HF_ARCHS)})")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{path}: no *.safetensors files")
+    weights: dict[str, np.ndarray] = {}
+    for f in files:
+        weights.update(read_safetensors(f))
+
+    tokenizer = Tokenizer.from_hf_dir(path)
+    eos = hf.get("eos_token_id", tokenizer.eos_token_ids)
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    num_heads = hf["num_attention_heads"]
+    flags = dict(HF_ARCHS[arch])
+    if hf.get("attention_bias"):
+        flags["attention_bias"] = True
+    rope_scaling = hf.get("rope_scaling")
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+        dtype=dtype,
+        bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
+        eos_token_ids=eos or tokenizer.eos_token_ids,
+        pad_token_id=hf.get("pad_token_id", tokenizer.pad_token_id),
+        name=path.name,
+        **flags,
+    )
+    if "lm_head.weight" not in weights and not cfg.tie_word_embeddings:
+        cfg = cfg.replace(tie_word_embeddings=True)  # some exports drop the duplicate head silently
+
+    def take(name: str) -> np.ndarray:
+        if name not in weights:
+            raise CorruptCheckpointError(f"{path}: missing tensor {name!r}")
+        return weights.pop(name)
+
+    shapes = layer_param_shapes(cfg)
+    layers = {key: np.empty((cfg.num_layers, *shape), np.float32) for key, shape in shapes.items()}
+    for i in range(cfg.num_layers):
+        for hf_name, key in HF_LAYER_NAMES.items():
+            if key not in shapes:
+                continue
+            w = take(f"model.layers.{i}.{hf_name}")
+            w = w.T if w.ndim == 2 else w
+            if w.shape != shapes[key]:
+                raise CorruptCheckpointError(
+                    f"{path}: model.layers.{i}.{hf_name} has shape {w.shape}, expected {shapes[key]}")
+            layers[key][i] = w
+    params = {"embed": take("model.embed_tokens.weight"), "final_norm": take("model.norm.weight"),
+              "layers": layers}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = take("lm_head.weight").T
+    return cfg, params, tokenizer
+
+
+def load_checkpoint(name_or_path: str | os.PathLike, dtype: str = "float32"):
+    """Registry name, .gguf file or HF-style directory -> (ModelConfig, NumPy params, Tokenizer)."""
+    path = resolve(name_or_path)
+    if path.is_dir():
+        return load_hf_dir(path, dtype)
+    if path.suffix == ".gguf":
+        return load_gguf(path, dtype)
+    if path.suffix == ".safetensors":
+        return load_hf_dir(path.parent, dtype)
+    raise UnsupportedModelError(
+        f"{path}: unrecognised checkpoint (expected a .gguf file or a directory with config.json and "
+        "*.safetensors)")

@@ -1,0 +1,119 @@
+"""Tokenizer and chat template, built from the checkpoint itself.
+
+GGUF checkpoints carry `tokenizer.ggml.*` (vocabulary, merges, token types, special ids, chat template);
+Hugging Face directories carry tokenizer.json and tokenizer_config.json. Either way the result is a
+`tokenizers.Tokenizer` plus the Jinja chat template, rendered by a real (sandboxed) Jinja engine the way
+transformers renders it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from specdec.models.registry import UnsupportedModelError
+
+TOKEN_TYPE_CONTROL = 3  # GGUF token_type for special (control) tokens
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
+                 pad_token: str | None, chat_template: str | None, extra_eos: Sequence[str] = ()):
+        self.backend = tokenizer
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.chat_template = chat_template
+        self.bos_token_id = self._id(bos_token)
+        self.pad_token_id = self._id(pad_token)
+        eos = [self._id(t) for t in (eos_token, *extra_eos)]
+        self.eos_token_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) become their ids."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids if int(i) >= 0], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template; pass raw text instead of messages")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise_exception
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, user_message: str, system: str | None = None) -> list[int]:
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+                   [{"role": "user", "content": user_message}]
+        return self.encode(self.apply_chat_template(messages))
+
+    # ------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, reader) -> "Tokenizer":
+        def field(key, default=None):
+            f = reader.fields.get(key)
+            return default if f is None else f.contents()
+
+        model = field("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise UnsupportedModelError(
+                f"GGUF tokenizer model {model!r} is not supported (supported: gpt2-style byte-level BPE)")
+        tokens = field("tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+        types = field("tokenizer.ggml.token_type", [1] * len(tokens))
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        # SmolLM2's pre-tokenizer ("smollm"): digits split individually, then GPT-2 byte-level with its regex.
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+        backend.decoder = decoders.ByteLevel()
+        special = [tok for tok, kind in zip(tokens, types) if kind == TOKEN_TYPE_CONTROL]
+        backend.add_special_tokens(special)
+
+        def token(key):
+            idx = field(key)
+            return None if idx is None else tokens[int(idx)]
+
+        return cls(backend, bos_token=token("tokenizer.ggml.bos_token_id"),
+                   eos_token=token("tokenizer.ggml.eos_token_id"), pad_token=token("tokenizer.ggml.padding_token_id"),
+                   chat_template=field("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> "Tokenizer":
+        tok_file = Path(path) / "tokenizer.json"
+        if not tok_file.is_file():
+            raise UnsupportedModelError(f"{path}: no tokenizer.json (specdec builds the tokenizer from it)")
+        backend = HFTokenizer.from_file(str(tok_file))
+        cfg_file = Path(path) / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+
+        def name(value):
+            return value.get("content") if isinstance(value, dict) else value
+
+        template = cfg.get("chat_template")
+        jinja_file = Path(path) / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        return cls(backend, bos_token=name(cfg.get("bos_token")), eos_token=name(cfg.get("eos_token")),
+                   pad_token=name(cfg.get("pad_token")), chat_template=template)

@@ -1,0 +1,311 @@
+"""The target model: a Llama-family decoder in plain JAX, and its one step function.
+
+`forward` serves prefill, single-token decode and multi-token (chain or tree) verification alike:
+given new tokens per row, their RoPE positions and an attention mask among the new tokens, it writes their
+K/V into the preallocated cache at each row's own length and returns logits (and, on request, hidden
+states after chosen layers). It does not advance the cache lengths: the caller commits how many of the new
+tokens are kept (all of them in prefill and decode, the accepted prefix in verification).
+
+Parameter layout. The canonical layout stacks each per-layer weight along a leading layer axis
+(`params["layers"]["wq"]` has shape [L, H, Q]) so that `lax.scan` and the Pallas megakernel can walk the
+layers and a mesh can shard them. XLA:CPU runs a Python-unrolled walk over per-layer arrays about 1.5x
+faster than a scan (the scan copies each layer's weight slice every step; see docs/BENCHMARKS.md), so the
+reference backend also accepts `params["layers"]` as a tuple of per-layer dicts (`unstack_layers`). The
+function below handles both; which one a target uses is decided once, when it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec.models.config import ModelConfig
+
+Params = dict[str, Any]
+
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+BIAS_KEYS = ("bq", "bk", "bv")
+QK_NORM_KEYS = ("q_norm", "k_norm")
+
+
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's weights, stored [in, out] so activations multiply on the left."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"attn_norm": (h,), "wq": (h, cfg.q_size), "wk": (h, cfg.kv_size), "wv": (h, cfg.kv_size),
+              "wo": (cfg.q_size, h), "mlp_norm": (h,), "w_gate": (h, f), "w_up": (h, f), "w_down": (f, h)}
+    if cfg.attention_bias:
+        shapes.update(bq=(cfg.q_size,), bk=(cfg.kv_size,), bv=(cfg.kv_size,))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random weights in the canonical (stacked) layout, for tests and for training from scratch."""
+    dtype = cfg.jnp_dtype
+    shapes = layer_param_shapes(cfg)
+    keys = jax.random.split(key, len(shapes) + 2)
+    layers = {}
+    for k, (name, shape) in zip(keys[2:], sorted(shapes.items())):
+        if name.endswith("norm"):
+            layers[name] = jnp.ones((cfg.num_layers, *shape), dtype)
+        else:
+            layers[name] = (scale * jax.random.normal(k, (cfg.num_layers, *shape))).astype(dtype)
+    params = {
+        "embed": (scale * jax.random.normal(keys[0], (cfg.vocab_size, cfg.hidden_size))).astype(dtype),
+        "final_norm": jnp.ones((cfg.hidden_size,), dtype),
+        "layers": layers,
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = (scale * jax.random.normal(keys[1], (cfg.hidden_size, cfg.vocab_size))).astype(dtype)
+    return params
+
+
+def unstack_layers(params: Params) -> Params:
+    """Stacked layout -> tuple of per-layer dicts (the fast layout for XLA:CPU)."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return params
+    num_layers = next(iter(layers.values())).shape[0]
+    per_layer = tuple({k: v[i] for k, v in layers.items()} for i in range(num_layers))
+    return {**params, "layers": per_layer}
+
+
+def stack_layers(params: Params) -> Params:
+    """Tuple of per-layer dicts -> stacked layout (for scan, the megakernel and sharding)."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+    stacked = {k: jnp.stack([layer[k] for layer in layers]) for k in layers[0]}
+    return {**params, "layers": stacked}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# KV cache
+# ----------------------------------------------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Preallocated keys and values plus the number of valid positions in each row.
+
+    `k` and `v` are tuples of per-layer arrays [B, S, KVH, HD] (reference backend) or single stacked arrays
+    [L, B, S, KVH, HD] (scan / megakernel). In both layouts the sequence axis is `ndim - 3` and the batch
+    axis `ndim - 4`, which is all that cache utilities (compaction, row reset) need to know.
+    """
+
+    k: Any
+    v: Any
+    lengths: jax.Array  # int32 [B]
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        leaf = jax.tree.leaves(self.k)[0]
+        return leaf.shape[leaf.ndim - 3]
+
+    def advance(self, num_new: jax.Array) -> "KVCache":
+        """Commit `num_new` [B] (or a scalar) of the positions just written by `forward`."""
+        return dataclasses.replace(self, lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
+
+    def with_lengths(self, lengths: jax.Array) -> "KVCache":
+        return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, stacked: bool = False,
+               dtype=None) -> KVCache:
+    dtype = dtype or cfg.jnp_dtype
+    shape = (batch_size, capacity, cfg.num_kv_heads, cfg.head_dim)
+    if stacked:
+        k = jnp.zeros((cfg.num_layers, *shape), dtype)
+        v = jnp.zeros((cfg.num_layers, *shape), dtype)
+    else:
+        k = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        v = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies, with Llama-3 style frequency scaling when the config asks for it."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim))
+    if cfg.rope_scaling is not None and dict(cfg.rope_scaling).get("rope_type", "default") == "llama3":
+        s = dict(cfg.rope_scaling)
+        factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_ctx = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        scaled = np.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+        inv_freq = scaled
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, heads, HD]; cos/sin: [B, T, HD/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def attention_mask(lengths: jax.Array, capacity: int, tree_mask: jax.Array) -> jax.Array:
+    """Which cache slots each new token may attend to: [B, T, S] bool.
+
+    Slots before a row's length hold its committed prefix (always visible). The T new tokens were written at
+    slots lengths[b] .. lengths[b]+T-1; among them `tree_mask[b, t, u]` says whether token t sees token u
+    (lower-triangular for a chain, the ancestor relation for a tree). Slots past the new tokens are stale.
+    """
+    num_new = tree_mask.shape[-1]
+    slots = jnp.arange(capacity)[None, None, :]
+    rel = slots - lengths[:, None, None]  # [B, 1, S]
+    in_new = (rel >= 0) & (rel < num_new)
+    rel_clipped = jnp.clip(rel, 0, num_new - 1)
+    among_new = jnp.take_along_axis(tree_mask, jnp.broadcast_to(rel_clipped, tree_mask.shape[:2] + (capacity,)),
+                                    axis=2)
+    return (rel < 0) | (in_new & among_new)
+
+
+def write_rows(cache_layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Write new [B, T, KVH, HD] into cache [B, S, KVH, HD] at each row's own offset (in place under jit)."""
+    def one_row(c, n, start):
+        return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (start, 0, 0))
+    return jax.vmap(one_row)(cache_layer, new, lengths)
+
+
+def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention of new queries over the whole (already updated) cache.
+
+    q: [B, T, NH, HD]; caches: [B, S, KVH, HD]; mask: [B, T, S]. Returns [B, T, NH*HD].
+    """
+    b, t, nh, hd = q.shape
+    kvh = k_cache.shape[2]
+    q = q.reshape(b, t, kvh, nh // kvh, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(hd))
+    scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, nh * hd).astype(q.dtype)
+
+
+def decoder_layer(cfg: ModelConfig, w: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                  lengths: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array):
+    """One pre-norm decoder block. Writes the new K/V first, then attends over the updated buffer: attending
+    to the old cache and writing afterwards makes XLA copy the whole cache every step (FACTS.md)."""
+    b, t, _ = x.shape
+    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache = write_rows(k_cache, k, lengths)
+    v_cache = write_rows(v_cache, v, lengths)
+    x = x + attend(q, k_cache, v_cache, mask) @ w["wo"]
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+    return x, k_cache, v_cache
+
+
+class StepOutput(NamedTuple):
+    logits: jax.Array  # float32 [B, T or P, V]
+    hidden: jax.Array  # final-normed hidden states [B, T or P, H] (what the lm_head reads)
+    taps: jax.Array | None  # [num_taps, B, T, H] residual stream after the chosen layers, or None
+    cache: KVCache
+
+
+def causal_mask(num_new: int) -> jax.Array:
+    return jnp.tril(jnp.ones((num_new, num_new), bool))
+
+
+def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    if cfg.tie_word_embeddings:
+        logits = jnp.einsum("bth,vh->btv", hidden, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("bth,hv->btv", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits
+
+
+def forward(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
+            positions: jax.Array | None = None, tree_mask: jax.Array | None = None, *,
+            taps: tuple[int, ...] = (), logits_at: jax.Array | None = None) -> StepOutput:
+    """Run T new tokens per row through the target, writing their K/V at slots lengths[b] + t.
+
+    tokens: int32 [B, T]. positions: int32 [B, T] RoPE positions (default lengths[b] + t; a tree passes
+    lengths[b] + depth). tree_mask: bool [T, T] or [B, T, T], token t may attend to new token u (default
+    causal). taps: static layer indices whose residual-stream output to return (0 = embeddings, l = after
+    block l, Hugging Face's `hidden_states[l]` convention for l < L). logits_at: optional int32 [B, P]
+    indices into the T new tokens; only there are logits computed (prefill needs just the last one).
+    The cache comes back with the K/V written and `lengths` unchanged.
+    """
+    b, t = tokens.shape
+    lengths = cache.lengths
+    if positions is None:
+        positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if tree_mask is None:
+        tree_mask = causal_mask(t)
+    if tree_mask.ndim == 2:
+        tree_mask = jnp.broadcast_to(tree_mask, (b, t, t))
+    mask = attention_mask(lengths, cache.capacity, tree_mask)
+    cos, sin = rope_tables(cfg, positions)
+
+    x = params["embed"][tokens].astype(cfg.jnp_dtype)
+    tapped = {0: x} if 0 in taps else {}
+    layers = params["layers"]
+    if isinstance(layers, dict):  # stacked layout: scan over layers, cache stacked too
+        def body(x, layer):
+            w, kc, vc = layer
+            x, kc, vc = decoder_layer(cfg, w, x, kc, vc, lengths, cos, sin, mask)
+            return x, (x, kc, vc) if taps else (None, kc, vc)
+        x, (per_layer_x, new_k, new_v) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
+        for l in taps:
+            if l > 0:
+                tapped[l] = per_layer_x[l - 1]
+    else:  # per-layer layout: unrolled walk (fastest on XLA:CPU)
+        new_k, new_v = [], []
+        for i, w in enumerate(layers):
+            x, kc, vc = decoder_layer(cfg, w, x, cache.k[i], cache.v[i], lengths, cos, sin, mask)
+            new_k.append(kc)
+            new_v.append(vc)
+            if i + 1 in taps:
+                tapped[i + 1] = x
+        new_k, new_v = tuple(new_k), tuple(new_v)
+    new_cache = dataclasses.replace(cache, k=new_k, v=new_v)
+
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if logits_at is not None:
+        hidden = jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
+    logits = lm_head(params, cfg, hidden)
+    tap_stack = jnp.stack([tapped[l] for l in taps]) if taps else None
+    return StepOutput(logits=logits, hidden=hidden, taps=tap_stack, cache=new_cache)
