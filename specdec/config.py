@@ -1,0 +1,653 @@
+"""Typed experiment configuration: one schema, YAML files, `section.key=value` overrides, sweeps.
+
+Every entry point (run, sweep, train, benchmarks) takes one `ExperimentConfig`, built from a YAML file:
+
+    cfg = load_config("configs/quickstart.yaml", ["sampling.temperature=0.7", "drafter.num_draft_tokens=4"])
+
+The schema is a tree of frozen dataclasses; `from_dict` checks a plain dict against it and fails loudly with a
+`ConfigError` that names the full dotted key (the same spelling an override uses, list items by index:
+`data.datasets.0.limit`) and what is allowed: the known keys (with a "did you mean"), the choices of a
+`Literal`, the expected type, or the valid range. Nothing is coerced silently: `"4"` is not an int in a YAML
+file; only override strings are parsed (as YAML scalars / flow lists), and a number given to a `str` field
+from an override is kept as the text typed. `to_dict`/`to_yaml` round-trip exactly.
+
+A config file may say `extends: other.yaml` (relative to itself): the other file is loaded first and this
+file's mappings are merged over it key by key (lists and scalars replace). A sweep file (one with a
+top-level `grid` or `runs`) is a `SweepConfig`; `expand_sweep` turns it into named `ExperimentConfig`s.
+
+Sequence fields are tuples so that configs stay immutable; YAML lists are accepted for them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import functools
+import hashlib
+import itertools
+import json
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem. `key` is the full dotted key ("sampling.temperature"), `reason` the rest."""
+
+    def __init__(self, reason: str, key: str = ""):
+        self.key, self.reason = key, reason
+        super().__init__(f"{key}: {reason}" if key else reason)
+
+    def under(self, prefix: str) -> ConfigError:
+        return ConfigError(self.reason, _join(prefix, self.key))
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix and key else prefix or key
+
+
+def _require(ok: bool, key: str, reason: str) -> None:
+    """Value checks in `__post_init__`; `key` is relative to the section and `from_dict` adds the prefix."""
+    if not ok:
+        raise ConfigError(reason, key)
+
+
+def _at_least(obj: Any, low: float, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value is None or value >= low, name, f"must be >= {low}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The schema. Defaults make a near-empty YAML file valid.
+# ---------------------------------------------------------------------------------------------------------
+
+Policy = Literal["greedy_chain", "rejection_chain", "greedy_tree", "multidraft_tree", "typical"]
+GREEDY_POLICIES = ("greedy_chain", "greedy_tree")  # exact only at temperature 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """`model:` the target model."""
+    name: str = "smollm2-135m-instruct"  # registry name, .gguf path, HF dir, or "tiny" (random test model)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    backend: Literal["reference", "scan", "megakernel"] = "reference"
+    max_seq_len: int = 2048  # KV-cache capacity: prompt + new tokens + draft slack
+    seed: int = 0  # weight seed for random models
+
+    def __post_init__(self):
+        _require(bool(self.name), "name", "must not be empty")
+        _at_least(self, 1, "max_seq_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """`drafter:` which drafter proposes tokens; `name` and `params` are checked by the drafter registry."""
+    name: str = "ngram"
+    num_draft_tokens: int = 5  # chain length k, or the node budget of a tree
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)  # drafter-specific options
+    path: str | None = None  # checkpoint of a trained drafter
+
+    def __post_init__(self):
+        _require(bool(self.name), "name", "must not be empty")
+        _at_least(self, 1, "num_draft_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTreeConfig:
+    """A tree grown per round from draft probabilities (EAGLE-2 style)."""
+    depth: int = 4
+    top_k: int = 4  # children expanded per node
+    num_nodes: int = 16  # nodes kept for verification
+
+    def __post_init__(self):
+        _at_least(self, 1, "depth", "top_k", "num_nodes")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """`verify.tree:` a static tree (Medusa-style paths of child indices: [0], [0, 0], [1], ...) or a dynamic one."""
+    paths: tuple[tuple[int, ...], ...] | None = None
+    dynamic: DynamicTreeConfig | None = None
+
+    def __post_init__(self):
+        _require((self.paths is None) != (self.dynamic is None), "", "set exactly one of 'paths' and 'dynamic'")
+        if self.paths is not None:
+            seen = set(self.paths)
+            _require(len(seen) == len(self.paths) > 0, "paths", "must be a non-empty list of distinct paths")
+            for i, p in enumerate(self.paths):
+                _require(len(p) > 0 and min(p) >= 0, f"paths.{i}", f"must be a non-empty list of indices >= 0, got {list(p)}")
+                _require(len(p) == 1 or p[:-1] in seen, f"paths.{i}", f"parent path {list(p[:-1])} of {list(p)} is missing")
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+    """`verify:` the acceptance rule. `tree` is used by the tree policies (chain policies ignore it)."""
+    policy: Policy = "greedy_chain"
+    tree: TreeConfig | None = None
+    eps: float = 0.09  # typical acceptance: hard posterior threshold (Medusa's epsilon)
+    delta: float = 0.3  # typical acceptance: entropy-adaptive threshold scale
+
+    def __post_init__(self):
+        _require(0 < self.eps <= 1, "eps", f"must be in (0, 1], got {self.eps!r}")
+        _at_least(self, 0, "delta")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """`scheduler:` how many tokens to draft each round."""
+    kind: Literal["fixed", "threshold", "prefix"] = "fixed"
+    threshold: float = 0.5  # "threshold": stop drafting when the draft probability falls below this
+    profile_path: str | None = None  # a measured acceptance profile, for profile-driven schedules
+
+    def __post_init__(self):
+        _require(0 <= self.threshold <= 1, "threshold", f"must be in [0, 1], got {self.threshold!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """`sampling:` as `specdec.sampling.SamplingParams`, plus the sampling seed. temperature 0 = greedy."""
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int = 0
+
+    def __post_init__(self):
+        _at_least(self, 0, "temperature", "top_k")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+
+    def to_params(self):
+        from specdec.sampling import SamplingParams  # lazy: keeps this module free of JAX
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    batch_size: int = 1
+    compiled_loop: bool = True  # one lax.while_loop over rounds (False: host-stepped, for debugging)
+
+    def __post_init__(self):
+        _at_least(self, 1, "max_new_tokens", "batch_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig:
+    """One prompt source: a built-in prompt set, a `datasets` hub name, or a .jsonl/.json/.csv path."""
+    name: str
+    split: str | None = None  # None: the loader's default for that dataset
+    field: str | None = None  # prompt field; None: known layouts (MT-Bench, GSM8K, ...) are detected
+    limit: int | None = None  # first N prompts; None = all
+    category: str | None = None  # label used to group results ("code", "math", ...)
+
+    def __post_init__(self):
+        _require(bool(self.name), "name", "must not be empty")
+        _at_least(self, 1, "limit")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    datasets: tuple[DatasetConfig, ...] = (DatasetConfig("quickstart"),)
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template
+
+    def __post_init__(self):
+        _require(len(self.datasets) > 0, "datasets", "must list at least one dataset")
+
+
+@dataclasses.dataclass(frozen=True)
+class LosslessCheckConfig:
+    samples: int = 4  # prompts checked against AR decoding each run (0 = off)
+
+    def __post_init__(self):
+        _at_least(self, 0, "samples")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    baseline: bool = True  # also run plain autoregressive decoding (speedups need it)
+    lossless_check: LosslessCheckConfig = dataclasses.field(default_factory=LosslessCheckConfig)
+    warmup: bool = True  # compile and run once before timing
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackingConfig:
+    backend: Literal["wandb", "memory", "none"] = "wandb"
+    project: str = "specdec"
+    group: str | None = None  # sweeps set this to the sweep name when it is unset
+    tags: tuple[str, ...] = ()
+    mode: Literal["offline", "online"] = "offline"
+    dir: str | None = None  # None: inside the run's output directory
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputConfig:
+    dir: str = "runs"
+    name: str | None = None  # None: the runner derives one; sweeps set it to the run name
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """`train:` drafter training (AdamW, warmup then cosine decay)."""
+    steps: int = 2000
+    batch_size: int = 16
+    lr: float = 6e-4
+    warmup_frac: float = 0.05
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0  # global-norm clipping; 0 = off
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    eval_every: int = 250
+    seq_len: int = 512
+    data_dir: str | None = None
+
+    def __post_init__(self):
+        _at_least(self, 1, "steps", "batch_size", "checkpoint_every", "keep_checkpoints", "eval_every", "seq_len")
+        _at_least(self, 0, "weight_decay", "clip_norm")
+        _require(self.lr > 0, "lr", f"must be > 0, got {self.lr!r}")
+        _require(0 <= self.warmup_frac < 1, "warmup_frac", f"must be in [0, 1), got {self.warmup_frac!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    model: int = 1
+    devices: int | None = None  # how many devices to use; None = data * model
+
+    def __post_init__(self):
+        _at_least(self, 1, "data", "model")
+        _require(self.devices is None or self.devices == self.data * self.model, "devices",
+                 f"must equal data * model = {self.data * self.model}, got {self.devices!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything one run needs. Not hashable (dict fields); pass sections or their values to jitted code."""
+    description: str = ""
+    model: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+    drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
+    verify: VerifyConfig = dataclasses.field(default_factory=VerifyConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def __post_init__(self):
+        _require(self.verify.policy not in GREEDY_POLICIES or self.sampling.temperature == 0, "verify.policy",
+                 f"{self.verify.policy!r} is exact only at sampling.temperature 0 (got {self.sampling.temperature}); "
+                 "use rejection_chain / multidraft_tree / typical for sampling")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """A sweep file: `base` config (path relative to the sweep file, or inline mapping, which may `extends`),
+    a `grid` of dotted key -> values (cartesian product) and/or explicit `runs` (dicts of dotted key -> value,
+    optionally with a `name`); with both, every run is crossed with every grid point."""
+    name: str = "sweep"
+    base: str | dict[str, Any] = dataclasses.field(default_factory=dict)
+    grid: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        _require(bool(_SAFE_NAME.fullmatch(self.name)), "name", f"must match {_SAFE_NAME.pattern}, got {self.name!r}")
+        for key, values in self.grid.items():
+            _require(len(values) > 0, f"grid.{key}", "must list at least one value")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dict <-> dataclass, with errors that name the key.
+# ---------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def _fields(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type annotation (annotations are strings under `from __future__`)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _unknown(key: Any, allowed: Iterable[str]) -> str:
+    allowed = list(allowed)
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown key; {hint}allowed keys: {', '.join(allowed)}"
+
+
+def _type_name(tp: Any) -> str:
+    if tp in (int, float, str, bool):
+        return tp.__name__
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return str(tp).replace("typing.", "").replace("NoneType", "None")
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return "null" if value is None else f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from a plain mapping, validating keys, types, choices and values recursively."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a mapping, got {_describe(data)}", path)
+    fields = _fields(cls)
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_unknown(key, fields), _join(path, str(key)))
+    kwargs = {key: _convert(value, fields[key], _join(path, key)) for key, value in data.items()}
+    for f in dataclasses.fields(cls):
+        if f.init and f.name not in kwargs and f.default is f.default_factory is dataclasses.MISSING:
+            raise ConfigError("required key is missing", _join(path, f.name))
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a __post_init__ check: make its key absolute
+        raise e.under(path) from None
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if _is_union(tp):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return _convert(value, options[0], path)
+        for option in options:
+            try:
+                return _convert(value, option, path)
+            except ConfigError:
+                pass
+        raise ConfigError(f"expected {_type_name(tp)}, got {_describe(value)}", path)
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise ConfigError(f"must be one of {', '.join(map(repr, args))}; got {value!r}", path)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if tp in (bool, int, float, str):
+        ok = isinstance(value, bool) if tp is bool else (
+            isinstance(value, (int, float) if tp is float else tp) and not isinstance(value, bool))
+        if not ok:
+            raise ConfigError(f"expected {tp.__name__}, got {_describe(value)}", path)
+        return float(value) if tp is float else value
+    if tp in (list, tuple) or origin in (list, tuple):  # list[X] and tuple[X, ...]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"expected a list ({_type_name(tp)}), got {_describe(value)}", path)
+        items = [_convert(v, args[0] if args else Any, f"{path}.{i}") for i, v in enumerate(value)]
+        return tuple(items) if (origin or tp) is tuple else items
+    if tp is dict or origin is dict:  # dict[str, X]
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"expected a mapping ({_type_name(tp)}), got {_describe(value)}", path)
+        for k in value:
+            _require(isinstance(k, str), path, f"keys must be strings, got {k!r}")
+        return {k: _convert(v, args[1] if args else Any, _join(path, k)) for k, v in value.items()}
+    raise TypeError(f"unsupported type {tp!r} in the config schema at {path!r}")
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain dicts/lists/scalars (tuples become lists); `from_dict(type(c), to_dict(c)) == c`."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def to_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Files, `extends`, and overrides.
+# ---------------------------------------------------------------------------------------------------------
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys instead of silently keeping the last one."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict:
+    keys = [k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge"]
+    for i, key in enumerate(keys):
+        if key in keys[:i]:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", node.start_mark)
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    """`over` on top of `base`: mappings merge key by key, everything else replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = _merge(out[key], value) if both else value
+    return out
+
+
+def _read(source: str | Path | Mapping, base_dir: Path | None = None, chain: tuple[Path, ...] = ()) -> dict:
+    """A raw config mapping from a YAML file or an inline mapping, with `extends` resolved."""
+    if isinstance(source, Mapping):
+        data, here = copy.deepcopy(dict(source)), base_dir or Path.cwd()
+    else:
+        path = (base_dir or Path.cwd()) / Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        resolved = path.resolve()
+        if resolved in chain:
+            raise ConfigError("circular extends: " + " -> ".join(str(p) for p in (*chain, resolved)))
+        try:
+            data = yaml.load(path.read_text(), Loader=_StrictLoader)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level, got {_describe(data)}")
+        here, chain = resolved.parent, (*chain, resolved)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    _require(isinstance(parent, str), "extends", f"must be a path relative to this file, got {_describe(parent)}")
+    return _merge(_read(parent, here, chain), data)
+
+
+def is_sweep(data: Any) -> bool:
+    """A sweep file is recognised by a top-level `grid` or `runs` key."""
+    return isinstance(data, Mapping) and ("grid" in data or "runs" in data)
+
+
+def key_type(dotted: str, cls: type | None = None) -> Any:
+    """The schema type at a dotted key ("drafter.params.n", "data.datasets.0.limit"); unknown keys raise."""
+    tp, walked = cls or ExperimentConfig, ""
+    for part in dotted.split("."):
+        where = _join(walked, part)
+        if _is_union(tp):  # Optional[X] -> X
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        origin = typing.get_origin(tp)
+        if dataclasses.is_dataclass(tp):
+            if part not in _fields(tp):
+                raise ConfigError(_unknown(part, _fields(tp)), where)
+            tp = _fields(tp)[part]
+        elif tp in (list, tuple) or origin in (list, tuple):
+            _require(part.isdigit(), where, f"{walked} is a list; expected an index, got {part!r}")
+            tp = (typing.get_args(tp) or (Any,))[0]
+        elif tp is dict or origin is dict:
+            tp = (typing.get_args(tp) or (str, Any))[1]
+        elif tp is not Any:
+            raise ConfigError(f"{walked} is a {_type_name(tp)} and has no key {part!r}", where)
+        walked = where
+    return tp
+
+
+_KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9._=+-]+")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`"section.key=value"` -> (key, value): the value parsed as YAML; text kept for str-typed keys."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not _KEY.fullmatch(key):
+        raise ConfigError(f"bad override {text!r}: expected section.key=value")
+    tp = key_type(key)
+    try:
+        value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse override value {raw!r}: {e}", key) from None
+    takes_str = tp is str or (_is_union(tp) and str in typing.get_args(tp))
+    if takes_str and isinstance(value, (bool, int, float)):
+        value = raw.strip()  # output.name=123 means the string "123"
+    return key, value
+
+
+def _set(data: dict, key: str, value: Any) -> None:
+    """Set a dotted key in a plain nested dict (as made by to_dict), creating unset optional sections."""
+    *parents, last = key.split(".")
+    node = data
+    for depth, part in enumerate([*parents, last]):
+        where = ".".join([*parents, last][:depth + 1])
+        if isinstance(node, list):
+            _require(part.isdigit() and int(part) < len(node), where, f"index out of range (list has {len(node)} items)")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"cannot set a key inside {_describe(node)}", where)
+        if depth == len(parents):
+            node[part] = value
+        else:
+            if isinstance(node, dict) and node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: Iterable[str] | Mapping[str, Any]) -> ExperimentConfig:
+    """A new config with `section.key=value` strings (or a {dotted key: value} mapping) applied in order."""
+    if isinstance(overrides, str):  # a single "key=value", not an iterable of characters
+        overrides = [overrides]
+    items = overrides.items() if isinstance(overrides, Mapping) else [parse_override(o) for o in overrides]
+    if not items:
+        return cfg
+    data = to_dict(cfg)
+    for key, value in items:
+        key_type(key)  # unknown keys fail here, with a suggestion
+        _set(data, key, value)
+    return from_dict(ExperimentConfig, data)
+
+
+def load_config(source: str | Path | Mapping | ExperimentConfig, overrides: Iterable[str] = ()) -> ExperimentConfig:
+    """An ExperimentConfig from a YAML path (or mapping, or config), with `extends` and overrides applied."""
+    if isinstance(source, ExperimentConfig):
+        return apply_overrides(source, overrides)
+    data = _read(source)
+    if is_sweep(data):
+        raise ConfigError(f"{source} is a sweep file (it has 'grid' or 'runs'); load it with load_sweep")
+    try:
+        cfg = from_dict(ExperimentConfig, data)
+    except ConfigError as e:
+        where = "" if isinstance(source, Mapping) else f" (in {source})"
+        raise ConfigError(e.reason + where, e.key) from None
+    return apply_overrides(cfg, overrides)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sweeps.
+# ---------------------------------------------------------------------------------------------------------
+
+def load_sweep(source: str | Path | Mapping) -> SweepConfig:
+    """A SweepConfig; a `base` path (or inline `base.extends`) is made absolute relative to the sweep file,
+    and `name` defaults to the file's stem."""
+    data = _read(source)
+    here = Path.cwd() if isinstance(source, Mapping) else Path(source).resolve().parent
+    if not isinstance(source, Mapping):
+        data.setdefault("name", Path(source).stem)
+    base = data.get("base")
+    if isinstance(base, str):
+        data["base"] = str(here / base)
+    elif isinstance(base, dict) and isinstance(base.get("extends"), str):
+        data["base"] = {**base, "extends": str(here / base["extends"])}
+    return from_dict(SweepConfig, data)
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)  # true, null, [2,4], {"a":1}
+
+
+def _digest(overrides: Mapping) -> str:
+    return hashlib.sha1(json.dumps(overrides, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def sweep_overrides(sweep: SweepConfig) -> list[tuple[str, dict[str, Any]]]:
+    """(run name, {dotted key: value}) for every run, in a stable order; every key is checked first."""
+    run_keys = [k for run in sweep.runs for k in run if k != "name"]
+    keys = list(dict.fromkeys([*sweep.grid, *run_keys]))
+    for key in keys:
+        try:
+            key_type(key)
+        except ConfigError as e:
+            raise ConfigError(f"{e.reason} (sweep {sweep.name!r})", e.key) from None
+    points = [dict(zip(sweep.grid, values)) for values in itertools.product(*sweep.grid.values())]
+    plan = []
+    for i, run in enumerate(sweep.runs or [{}]):
+        clash = sorted(set(run) & set(sweep.grid))
+        _require(not clash, f"runs.{i}", f"keys {clash} are also in grid; set each key in one place")
+        fixed = {k: v for k, v in run.items() if k != "name"}
+        for point in points:
+            overrides = {**fixed, **point}
+            plan.append((run.get("name"), overrides, point if "name" in run else overrides))
+    # A key is labelled by its last part ("num_draft_tokens") unless two swept keys share that last part.
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    label = {k: (l if last.count(l) == 1 else k) for k, l in zip(keys, last)}
+    names = []
+    for given, overrides, shown in plan:
+        parts = ([str(given)] if given is not None else []) + [f"{label[k]}={_format_value(v)}" for k, v in shown.items()]
+        name = re.sub(r"[^A-Za-z0-9._=+-]+", "-", "__".join(parts) or "base")
+        if len(name) > 120:
+            name = f"{name[:100]}-{_digest(overrides)[:8]}"
+        names.append(name)
+    # Distinct runs whose names collide (e.g. list values that sanitise alike) get a hash suffix.
+    for name in {n for n in names if names.count(n) > 1}:
+        idx = [i for i, n in enumerate(names) if n == name]
+        digests = [_digest(plan[i][1]) for i in idx]
+        _require(len(set(digests)) == len(digests), "runs", f"two runs of sweep {sweep.name!r} are identical ({name})")
+        for i, d in zip(idx, digests):
+            names[i] = f"{name}-{d[:6]}"
+    return [(name, overrides) for name, (_, overrides, _) in zip(names, plan)]
+
+
+def expand_sweep(sweep: SweepConfig | str | Path | Mapping, overrides: Iterable[str] = ()) -> list[tuple[str, ExperimentConfig]]:
+    """(run name, config) for every run. Each config is base + run overrides, with `output.name` set to the run
+    name (unless the run sets it) and `tracking.group` to the sweep name (unless set), then `overrides`
+    (e.g. from the command line) on top."""
+    if not isinstance(sweep, SweepConfig):
+        sweep = load_sweep(sweep)
+    base = load_config(sweep.base)
+    overrides = [parse_override(o) for o in overrides]  # fail early on bad command-line overrides
+    out = []
+    for name, run_overrides in sweep_overrides(sweep):
+        try:
+            cfg = apply_overrides(base, run_overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{e.reason} (sweep {sweep.name!r}, run {name!r})", e.key) from None
+        defaults = {"output.name": name} if "output.name" not in run_overrides else {}
+        if cfg.tracking.group is None:
+            defaults["tracking.group"] = sweep.name
+        out.append((name, apply_overrides(apply_overrides(cfg, defaults), dict(overrides))))
+    return out

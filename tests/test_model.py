@@ -1,0 +1,164 @@
+"""Step-function consistency of the target: one function for prefill, decode and (tree) verification."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdec.generate import ContextLengthError, generate
+from specdec.models import transformer
+from specdec.models.config import ModelConfig, tiny_config
+from specdec.sampling import SamplingParams
+from specdec.target import Target, random_target
+
+CAPACITY = 64
+
+
+def full_forward(target: Target, tokens, taps=()):
+    cache = target.init_cache(tokens.shape[0], CAPACITY)
+    return target.forward(target.params, target.cfg, cache, jnp.asarray(tokens), taps=taps)
+
+
+@pytest.fixture(scope="module", params=["reference", "scan"])
+def target(request):
+    return random_target(tiny_config(), seed=3, backend=request.param, scale=0.1)
+
+
+def rel_err(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def test_prefill_then_decode_equals_full_forward(target):
+    tokens = np.random.default_rng(0).integers(3, 256, size=(1, 20)).astype(np.int32)
+    full = full_forward(target, tokens).logits
+    cache = target.init_cache(1, CAPACITY)
+    out = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens[:, :12]))
+    cache = out.cache.advance(12)
+    pieces = [out.logits]
+    for t in range(12, 20):
+        out = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens[:, t : t + 1]))
+        cache = out.cache.advance(1)
+        pieces.append(out.logits)
+    assert rel_err(jnp.concatenate(pieces, axis=1), full) < 1e-5
+
+
+def test_batch_rows_equal_single_runs_with_ragged_lengths(target):
+    rng = np.random.default_rng(1)
+    lengths = [5, 17, 11, 2]
+    tokens = np.zeros((4, 17), np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.integers(3, 256, size=n)
+    cache = target.init_cache(4, CAPACITY)
+    batched = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens))
+    for i, n in enumerate(lengths):
+        single = full_forward(target, tokens[i : i + 1, :n]).logits[0]
+        assert rel_err(batched.logits[i, :n], single) < 1e-5
+    # then decode one step per row at each row's own length
+    cache = batched.cache.with_lengths(jnp.asarray(lengths))
+    nxt = rng.integers(3, 256, size=(4, 1)).astype(np.int32)
+    step = target.forward(target.params, target.cfg, cache, jnp.asarray(nxt))
+    for i, n in enumerate(lengths):
+        seq = np.concatenate([tokens[i, :n], nxt[i]])[None]
+        assert rel_err(step.logits[i, 0], full_forward(target, seq).logits[0, -1]) < 1e-5
+
+
+def test_tree_masked_verify_equals_separate_chains(target):
+    """A tree [root, a, b | a] scored at once equals each root-to-leaf chain scored on its own."""
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(3, 256, size=(1, 9)).astype(np.int32)
+    root, a, b, c, d = (int(x) for x in rng.integers(3, 256, size=5))
+    # nodes: 0=root, 1=a (child of root), 2=b (child of a), 3=c (child of root), 4=d (child of c)
+    parents = [-1, 0, 1, 0, 3]
+    tree_tokens = np.array([[root, a, b, c, d]], np.int32)
+    depth = np.array([0, 1, 2, 1, 2])
+    mask = np.zeros((5, 5), bool)
+    for i in range(5):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    cache = target.init_cache(1, CAPACITY)
+    out = target.forward(target.params, target.cfg, cache, jnp.asarray(prefix))
+    cache = out.cache.advance(prefix.shape[1])
+    positions = jnp.asarray(prefix.shape[1] + depth)[None]
+    tree = target.forward(target.params, target.cfg, cache, jnp.asarray(tree_tokens), positions, jnp.asarray(mask),
+                          taps=(1,))
+    for chain_nodes in ([0, 1, 2], [0, 3, 4]):
+        seq = np.concatenate([prefix[0], tree_tokens[0, chain_nodes]])[None]
+        ref = full_forward(target, seq, taps=(1,))
+        assert rel_err(tree.logits[0, chain_nodes], ref.logits[0, -3:]) < 1e-5
+        assert rel_err(tree.taps[0, 0, chain_nodes], ref.taps[0, 0, -3:]) < 1e-5
+
+
+def test_taps_follow_hidden_states_convention(target):
+    tokens = np.arange(3, 13, dtype=np.int32)[None]
+    out = full_forward(target, tokens, taps=(0, 1, 2))
+    assert out.taps.shape == (3, 1, 10, target.cfg.hidden_size)
+    embed = target.params["embed"][tokens]
+    assert jnp.allclose(out.taps[0], embed)
+    final = transformer.rms_norm(out.taps[2], target.params["final_norm"], target.cfg.rms_norm_eps)
+    assert jnp.allclose(final, out.hidden, atol=1e-6)
+
+
+def test_logits_at_selects_positions(target):
+    tokens = np.arange(3, 19, dtype=np.int32).reshape(2, 8)
+    full = full_forward(target, tokens).logits
+    cache = target.init_cache(2, CAPACITY)
+    sel = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens), logits_at=jnp.array([[7], [3]]))
+    assert rel_err(sel.logits[:, 0], jnp.stack([full[0, 7], full[1, 3]])) < 1e-6
+
+
+def test_reference_and_scan_backends_agree():
+    cfg = tiny_config()
+    ref, scan = random_target(cfg, seed=5, scale=0.1), random_target(cfg, seed=5, backend="scan", scale=0.1)
+    tokens = np.arange(3, 23, dtype=np.int32)[None]
+    assert rel_err(full_forward(scan, tokens).logits, full_forward(ref, tokens).logits) < 1e-5
+
+
+@pytest.mark.parametrize("flags", [dict(attention_bias=True), dict(qk_norm=True), dict(tie_word_embeddings=False),
+                                   dict(rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
+                                                      ("low_freq_factor", 1.0),
+                                                      ("original_max_position_embeddings", 64),
+                                                      ("rope_type", "llama3")))])
+def test_family_flags_keep_step_consistency(flags):
+    target = random_target(tiny_config(**flags), seed=7, scale=0.1)
+    tokens = np.arange(3, 15, dtype=np.int32)[None]
+    full = full_forward(target, tokens).logits
+    cache = target.init_cache(1, CAPACITY)
+    out = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens[:, :6]))
+    out2 = target.forward(target.params, target.cfg, out.cache.advance(6), jnp.asarray(tokens[:, 6:]))
+    assert rel_err(jnp.concatenate([out.logits, out2.logits], 1), full) < 1e-5
+
+
+def test_generate_batch_equals_single_and_stops_at_eos():
+    target = random_target(tiny_config(), seed=11, scale=0.5)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
+    batch = generate(target, prompts, max_new_tokens=12)
+    for p, row in zip(prompts, batch.tokens):
+        assert generate(target, [p], max_new_tokens=12).tokens[0] == row
+        assert len(row) <= 12
+        if len(row) < 12:
+            assert row[-1] in target.eos_token_ids
+    sampled = generate(target, prompts, max_new_tokens=8, sampling=SamplingParams(1.0, top_k=20), seed=1)
+    again = generate(target, prompts, max_new_tokens=8, sampling=SamplingParams(1.0, top_k=20), seed=1)
+    assert sampled.tokens == again.tokens
+
+
+def test_prompt_longer_than_context_is_refused():
+    target = random_target(tiny_config(max_position_embeddings=32), seed=0)
+    with pytest.raises(ContextLengthError, match="context is 32"):
+        generate(target, [list(range(3, 30))], max_new_tokens=8)
+
+
+def test_bad_model_config_is_refused():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        tiny_config(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="dtype"):
+        tiny_config(dtype="int8")
+
+
+@pytest.mark.real_model
+def test_real_model_answers_paris(real_target):
+    tok = real_target.tokenizer
+    out = generate(real_target, [tok.encode_chat("What is the capital of France?")], max_new_tokens=24)
+    assert "Paris" in tok.decode(out.tokens[0])
