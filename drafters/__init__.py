@@ -1,0 +1,54 @@
+"""Drafter registry: every drafter is created from config by name.
+
+    create_drafter("ngram", target, num_draft_tokens=5, max_ngram=3)
+
+Each drafter module registers a factory `make(target, num_draft_tokens, **params)`; unknown names and unknown
+parameters are errors that list what is allowed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable
+
+_FACTORIES: dict[str, Callable] = {}
+# Modules that register drafters, imported on first use (so importing `drafters` stays cheap).
+_MODULES = ("drafters.ngram", "drafters.draft_lm", "drafters.suffix")
+
+
+def register(name: str):
+    def deco(factory):
+        _FACTORIES[name] = factory
+        return factory
+    return deco
+
+
+def _load_all():
+    for module in _MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # a real missing dependency inside the module
+                raise
+
+
+def available() -> list[str]:
+    _load_all()
+    return sorted(_FACTORIES)
+
+
+def create_drafter(name: str, target, num_draft_tokens: int = 5, **params):
+    """Build drafter `name` for `target`; `params` are the drafter's own options (config `drafter.params`)."""
+    _load_all()
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown drafter {name!r}; available drafters: {', '.join(sorted(_FACTORIES))}")
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    factory = _FACTORIES[name]
+    accepted = [p for p in inspect.signature(factory).parameters if p not in ("target", "num_draft_tokens")]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(f"drafter {name!r} got unknown parameter(s) {', '.join(unknown)}; "
+                         f"its parameters are: {', '.join(accepted) or '(none)'}")
+    return factory(target, num_draft_tokens, **params)

@@ -143,3 +143,14 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: i
     t2 = time.perf_counter()
     rows = [out[i, : counts[i]].tolist() for i in range(len(prompts))]
     return GenerationOutput(rows, lengths.tolist(), t1 - t0, t2 - t1)
+
+
+def ar_metrics(output: GenerationOutput) -> "DecodeMetrics":
+    """AR decoding in the common schema: one target step per token after the first (tau = 1)."""
+    from specdec.metrics import DecodeMetrics
+
+    rows = len(output.tokens)
+    return DecodeMetrics(new_tokens=output.num_new_tokens, rounds=output.num_new_tokens - rows,
+                         accepted_draft_tokens=0, proposed_draft_tokens=0,
+                         prefill_seconds=output.prefill_seconds, decode_seconds=output.decode_seconds,
+                         draft_seconds=0.0, verify_seconds=output.decode_seconds, batch_size=rows)

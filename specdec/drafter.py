@@ -1,0 +1,80 @@
+"""The Drafter protocol: what the speculative engine asks of every drafter.
+
+A drafter proposes a draft each round (a chain of k tokens, or a token tree), with the per-token draft
+distributions (or none: deterministic, q = one-hot), and updates its state from what the target accepted.
+
+Life cycle inside `specdec.engine.speculative_generate`:
+
+    state = drafter.init(params, prompt)                      # once, after the target's prefill
+    loop:
+        draft, state = drafter.propose(params, state, ctx, key)  # ctx: committed tokens so far
+        ... the target verifies [root, draft] in one step, the policy accepts a prefix/path ...
+        state = drafter.update(params, state, ctx_after, result, taps)
+
+`params` is the drafter's array pytree (weights; `{}` for training-free drafters). It is passed explicitly,
+never closed over, so jit sees it as an argument rather than baking hundreds of MB of constants into the
+program. The drafter object itself is static configuration (hashable by identity).
+
+A drafter whose `jittable` is True is written in pure JAX with static shapes and runs inside the compiled
+`lax.while_loop`; otherwise (Python state, e.g. a suffix tree over a corpus) the engine runs a host-stepped
+loop and calls `propose`/`update` with NumPy-convertible arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from specdec.sampling import SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PromptInfo:
+    """What the drafter sees once, after prefill."""
+
+    tokens: jax.Array  # int32 [B, T] right-padded prompts
+    lengths: jax.Array  # int32 [B]
+    taps: jax.Array | None  # [n_taps, B, T, H] target hidden states at the prompt positions (if requested)
+    first_token: jax.Array  # int32 [B] the token sampled from the prefill logits (the first root)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundContext:
+    """The committed sequence at the start (or end) of a round."""
+
+    seq: jax.Array  # int32 [B, C] prompt + generated tokens; only the first seq_len[b] are meaningful
+    seq_len: jax.Array  # int32 [B]; seq[b, seq_len[b]-1] is the root: committed but not yet in the target cache
+    done: jax.Array  # bool [B] rows that have finished
+
+
+class Drafter:
+    """Base class with the protocol's defaults. Subclasses override what they need."""
+
+    name: str = "drafter"
+    kind: str = "chain"  # "chain" or "tree"
+    jittable: bool = True
+    num_draft_tokens: int = 1  # N: draft nodes per round (chain length k, or the tree's node budget)
+    taps: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads (0 = embeddings)
+    params: Any = None  # the array pytree the engine passes back into propose/update (None: no weights)
+
+    def init(self, params, prompt: PromptInfo, capacity: int) -> Any:
+        """Initial drafter state (a pytree) for a batch of prompts. `capacity` bounds sequence length."""
+        return ()
+
+    def propose(self, params, state, ctx: RoundContext, sampling: SamplingParams, key: jax.Array):
+        """Return (Draft, new_state). Draft probabilities, when given, must come from the same
+        `specdec.sampling.probabilities` transform the target will be verified with."""
+        raise NotImplementedError
+
+    def update(self, params, state, ctx: RoundContext, result, taps) -> Any:
+        """Fold the round's outcome into the state. `ctx` is the sequence after committing; `result` the
+        policy's VerifyResult; `taps` [n_taps, B, N+1, H] target hidden states at [root, nodes] (or None)."""
+        return state
+
+    def describe(self) -> dict:
+        """Settings that identify this drafter in results tables."""
+        return {"drafter": self.name, "num_draft_tokens": self.num_draft_tokens}

@@ -1,0 +1,234 @@
+"""The speculative decoding loop.
+
+One round, for every row of the batch at once:
+  1. the drafter proposes N draft nodes (a chain or a tree) after the root, the last committed token;
+  2. the target runs [root, nodes] in ONE step (tree ancestor mask, positions = cache length + depth);
+  3. the verification policy accepts a path and adds a correction/bonus token;
+  4. for trees, the cache is compacted so only the accepted path's K/V stay;
+  5. accepted tokens are committed, stopping exactly at EOS and at max_new_tokens; the drafter updates.
+
+Drafters written in pure JAX run the whole generation as one compiled `lax.while_loop` (no host round trip
+per round); others run a host-stepped loop around the same jitted verify step. Rows carry their own lengths:
+acceptance is ragged, finished rows stop advancing (their lanes still compute: static shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec import trees
+from specdec.drafter import Drafter, PromptInfo, RoundContext
+from specdec.generate import cache_capacity, check_fits, context_limit, pad_prompts, prefill
+from specdec.metrics import DecodeMetrics
+from specdec.models.transformer import KVCache
+from specdec.sampling import GREEDY, SamplingParams, sample
+from specdec.target import Target
+from specdec.verify import Draft, VerifyResult, get_policy
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoopState:
+    cache: KVCache
+    seq: jax.Array  # int32 [B, C] committed tokens (prompt + generated)
+    seq_len: jax.Array  # int32 [B]
+    num_new: jax.Array  # int32 [B] generated tokens so far
+    done: jax.Array  # bool [B]
+    drafter_state: Any
+    key: jax.Array
+    # metric counters
+    rounds: jax.Array  # int32 [B] rounds in which the row was active
+    accepted: jax.Array  # int32 [B] accepted draft tokens
+    proposed: jax.Array  # int32 [B] valid draft tokens proposed
+    position_proposed: jax.Array  # int32 [N] row-rounds with a valid draft node at position/depth j+1
+    position_accepted: jax.Array  # int32 [N] row-rounds that accepted position/depth j+1
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """Static settings of one compiled loop (hashable)."""
+
+    cfg: Any
+    forward: Any
+    drafter: Drafter
+    policy: Any
+    sampling: SamplingParams
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+
+
+def write_tokens(seq: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
+    """Write new [B, W] into seq [B, C] at each row's own offset."""
+    return jax.vmap(lambda s, n, i: jax.lax.dynamic_update_slice(s, n, (i,)))(seq, new.astype(seq.dtype), at)
+
+
+def _context(state: LoopState) -> RoundContext:
+    return RoundContext(seq=state.seq, seq_len=state.seq_len, done=state.done)
+
+
+def propose(spec: LoopSpec, dparams, state: LoopState):
+    key, sub = jax.random.split(state.key)
+    draft, dstate = spec.drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, sub)
+    return draft, dataclasses.replace(state, drafter_state=dstate, key=key)
+
+
+def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
+    """Steps 2-5 minus the drafter update. Returns (state, VerifyResult, target taps)."""
+    batch, num_nodes = draft.tokens.shape
+    key, sub = jax.random.split(state.key)
+    rows = jnp.arange(batch)
+    root = state.seq[rows, state.seq_len - 1]
+    tokens = jnp.concatenate([root[:, None], draft.tokens.astype(jnp.int32)], axis=1)
+    mask, depth = trees.tree_attention(draft.parents, draft.valid)
+    positions = state.cache.lengths[:, None] + depth
+    out = spec.forward(tparams, spec.cfg, state.cache, tokens, positions, mask, taps=spec.drafter.taps)
+    result: VerifyResult = spec.policy.verify(draft, out.logits, spec.sampling, sub)
+    cache = out.cache
+    if spec.drafter.kind == "tree":
+        cache = trees.compact_cache(cache, result.path, result.num_accepted)
+
+    # Commit: accepted tokens + correction/bonus, cut after the first EOS and at max_new_tokens.
+    commit = result.num_accepted + 1
+    slot = jnp.arange(num_nodes + 1)[None, :]
+    eos = jnp.asarray(spec.eos_ids if spec.eos_ids else (-2,), jnp.int32)
+    is_eos = jnp.isin(result.tokens, eos) & (slot < commit[:, None])
+    hit_eos = jnp.any(is_eos, axis=1)
+    commit = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, commit)
+    commit = jnp.minimum(commit, spec.max_new_tokens - state.num_new)
+    active = ~state.done
+    commit = jnp.where(active, commit, 0)
+    seq = write_tokens(state.seq, jnp.where(slot < commit[:, None], result.tokens, 0), state.seq_len)
+    seq_len = state.seq_len + commit
+    num_new = state.num_new + commit
+    done = state.done | (active & hit_eos) | (num_new >= spec.max_new_tokens)
+    # The new root (last committed token) is not in the target cache yet.
+    cache = cache.with_lengths(jnp.where(active, seq_len - 1, state.cache.lengths))
+
+    node_depth = depth[:, 1:]
+    levels = jnp.arange(1, num_nodes + 1)[None, :, None]
+    has_level = jnp.any(draft.valid[:, None, :] & (node_depth[:, None, :] == levels), axis=2)  # [B, N]
+    took_level = slot[:, :num_nodes] < result.num_accepted[:, None]
+    act = active[:, None].astype(jnp.int32)
+    state = dataclasses.replace(
+        state, cache=cache, seq=seq, seq_len=seq_len, num_new=num_new, done=done, key=key,
+        rounds=state.rounds + active.astype(jnp.int32),
+        accepted=state.accepted + jnp.where(active, result.num_accepted, 0),
+        proposed=state.proposed + jnp.where(active, jnp.sum(draft.valid, axis=1), 0).astype(jnp.int32),
+        position_proposed=state.position_proposed + jnp.sum(has_level * act, axis=0),
+        position_accepted=state.position_accepted + jnp.sum(took_level * act, axis=0),
+    )
+    return state, result, out.taps
+
+
+def update(spec: LoopSpec, dparams, state: LoopState, result: VerifyResult, taps):
+    dstate = spec.drafter.update(dparams, state.drafter_state, _context(state), result, taps)
+    return dataclasses.replace(state, drafter_state=dstate)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def compiled_loop(spec: LoopSpec, tparams, dparams, state: LoopState) -> LoopState:
+    def body(state):
+        draft, state = propose(spec, dparams, state)
+        state, result, taps = verify_and_commit(spec, tparams, state, draft)
+        return update(spec, dparams, state, result, taps)
+
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+
+
+_jit_propose = jax.jit(propose, static_argnames=("spec",))
+_jit_verify = jax.jit(verify_and_commit, static_argnames=("spec",), donate_argnames=("state",))
+_jit_update = jax.jit(update, static_argnames=("spec",))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "capacity"))
+def _initial_state(spec: LoopSpec, tokens, lengths, first_logits, cache, key, *, capacity: int):
+    batch = tokens.shape[0]
+    key, sub = jax.random.split(key)
+    first = sample(sub, first_logits, spec.sampling)
+    seq = jnp.zeros((batch, capacity), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
+    seq = seq.at[jnp.arange(batch), lengths].set(first)
+    eos = jnp.asarray(spec.eos_ids if spec.eos_ids else (-2,), jnp.int32)
+    done = jnp.isin(first, eos) | (spec.max_new_tokens <= 1)
+    n = spec.drafter.num_draft_tokens
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return first, LoopState(cache=cache, seq=seq, seq_len=lengths + 1, num_new=zeros + 1, done=done,
+                            drafter_state=None, key=key, rounds=zeros, accepted=zeros, proposed=zeros,
+                            position_proposed=jnp.zeros((n,), jnp.int32),
+                            position_accepted=jnp.zeros((n,), jnp.int32))
+
+
+@dataclasses.dataclass
+class SpecOutput:
+    tokens: list[list[int]]  # new tokens per row (the prefill token first; EOS included if it stopped there)
+    metrics: DecodeMetrics
+
+
+def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
+                         policy: str = "greedy_chain", max_new_tokens: int = 64,
+                         sampling: SamplingParams = GREEDY, seed: int = 0, compiled: bool | None = None,
+                         max_seq_len: int | None = None) -> SpecOutput:
+    """Speculative decoding of a batch of token-id prompts with any drafter and verification policy."""
+    pol = get_policy(policy)
+    if drafter.kind == "tree" and not pol.supports_trees:
+        raise ValueError(f"policy {policy!r} verifies chains only, but drafter {drafter.name!r} proposes trees; "
+                         "use greedy_tree, multidraft_tree or typical")
+    compiled = drafter.jittable if compiled is None else compiled
+    if compiled and not drafter.jittable:
+        raise ValueError(f"drafter {drafter.name!r} keeps Python state and cannot run in the compiled loop")
+    prompts = [list(p) for p in prompts]
+    n = drafter.num_draft_tokens
+    check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
+    spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
+                    max_new_tokens=max_new_tokens, eos_ids=tuple(target.eos_token_ids))
+    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
+    tokens, lengths = pad_prompts(prompts, pad)
+    capacity = cache_capacity(lengths, max_new_tokens, extra=n + 1)
+    cache = target.init_cache(len(prompts), capacity)
+
+    t0 = time.perf_counter()
+    logits, taps, cache = prefill(target.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                                  forward=target.forward, cfg=target.cfg, taps=drafter.taps)
+    first, state = _initial_state(spec, jnp.asarray(tokens), jnp.asarray(lengths), logits, cache,
+                                  jax.random.PRNGKey(seed), capacity=capacity)
+    prompt = PromptInfo(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), taps=taps, first_token=first)
+    state = dataclasses.replace(state, drafter_state=drafter.init(drafter.params, prompt, capacity))
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+
+    draft_s = verify_s = None
+    if compiled:
+        state = compiled_loop(spec, target.params, drafter.params, state)
+        jax.block_until_ready(state)
+    else:
+        draft_s = verify_s = 0.0
+        propose_fn = _jit_propose if drafter.jittable else propose
+        update_fn = _jit_update if drafter.jittable else update
+        while not bool(jnp.all(state.done)):
+            ta = time.perf_counter()
+            draft, state = propose_fn(spec, drafter.params, state)
+            jax.block_until_ready(draft)
+            tb = time.perf_counter()
+            state, result, taps = _jit_verify(spec, target.params, state, draft)
+            jax.block_until_ready(result)
+            tc = time.perf_counter()
+            state = update_fn(spec, drafter.params, state, result, taps)
+            draft_s += (tb - ta) + (time.perf_counter() - tc)
+            verify_s += tc - tb
+    t2 = time.perf_counter()
+
+    seq, seq_len = np.asarray(state.seq), np.asarray(state.seq_len)
+    rows = [seq[i, lengths[i]: seq_len[i]].tolist() for i in range(len(prompts))]
+    metrics = DecodeMetrics(
+        new_tokens=int(np.sum(seq_len - lengths)), rounds=int(np.sum(state.rounds)),
+        accepted_draft_tokens=int(np.sum(state.accepted)), proposed_draft_tokens=int(np.sum(state.proposed)),
+        prefill_seconds=t1 - t0, decode_seconds=t2 - t1, draft_seconds=draft_s, verify_seconds=verify_s,
+        position_proposed=np.asarray(state.position_proposed).tolist(),
+        position_accepted=np.asarray(state.position_accepted).tolist(), batch_size=len(prompts))
+    return SpecOutput(tokens=rows, metrics=metrics)

@@ -1,0 +1,105 @@
+"""One metrics schema for every decoding run (AR and speculative), as defined in METHODS.md.
+
+tau (acceptance length) counts the bonus token: committed tokens / verification rounds. AR decoding is the
+special case of one token per round. Speedup is always AR time / speculative time measured in the same
+process on the same prompts (`speedup`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class DecodeMetrics:
+    new_tokens: int  # generated tokens over all rows (the first, sampled from prefill, included)
+    rounds: int  # target verification rounds over all rows (row-rounds); AR: one per token after the first
+    accepted_draft_tokens: int
+    proposed_draft_tokens: int
+    prefill_seconds: float
+    decode_seconds: float  # wall time of the decode loop (compile excluded when the caller warmed up)
+    draft_seconds: float | None = None  # split measured by the host-stepped loop or a profiling pass
+    verify_seconds: float | None = None
+    # acceptance by position j (0-based draft position / tree depth j+1), summed over row-rounds:
+    position_proposed: list[int] = dataclasses.field(default_factory=list)
+    position_accepted: list[int] = dataclasses.field(default_factory=list)
+    batch_size: int = 1
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per round, bonus included (the first token from prefill excluded)."""
+        committed = self.new_tokens - self.batch_size  # each row's first token comes from prefill
+        return committed / self.rounds if self.rounds else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.proposed_draft_tokens if self.proposed_draft_tokens else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def time_per_output_token_ms(self) -> float:
+        return 1e3 * self.decode_seconds / self.new_tokens if self.new_tokens else float("nan")
+
+    def acceptance_by_position(self) -> dict[str, list[float]]:
+        """survival[j] = P(draft position j accepted); conditional[j] = P(j accepted | j-1 accepted)."""
+        rounds = max(self.rounds, 1)
+        survival = [a / rounds for a in self.position_accepted]
+        conditional = []
+        prev = rounds
+        for a, p in zip(self.position_accepted, self.position_proposed):
+            conditional.append(a / prev if prev else float("nan"))
+            prev = a
+        return {"survival": survival, "conditional": conditional}
+
+    def summary(self) -> dict:
+        out = {
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_second": self.tokens_per_second,
+            "time_per_output_token_ms": self.time_per_output_token_ms,
+            "new_tokens": self.new_tokens,
+            "rounds": self.rounds,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "batch_size": self.batch_size,
+        }
+        out.update({f"acceptance_{k}": v for k, v in self.acceptance_by_position().items()})
+        return out
+
+
+def speedup(baseline: DecodeMetrics, candidate: DecodeMetrics) -> float:
+    """AR time / speculative time for the same prompts and the same number of generated tokens."""
+    base = baseline.decode_seconds / max(baseline.new_tokens, 1)
+    cand = candidate.decode_seconds / max(candidate.new_tokens, 1)
+    return base / cand if cand > 0 else float("nan")
+
+
+def merge(metrics: list[DecodeMetrics]) -> DecodeMetrics:
+    """Aggregate runs (e.g. prompts of one dataset) into one record: sums, so ratios weight by tokens."""
+    width = max((len(m.position_proposed) for m in metrics), default=0)
+
+    def pad(xs):
+        return np.pad(np.asarray(xs, np.int64), (0, width - len(xs)))
+
+    def total(name):
+        vals = [getattr(m, name) for m in metrics]
+        return None if any(v is None for v in vals) else float(sum(vals))
+
+    return DecodeMetrics(
+        new_tokens=sum(m.new_tokens for m in metrics), rounds=sum(m.rounds for m in metrics),
+        accepted_draft_tokens=sum(m.accepted_draft_tokens for m in metrics),
+        proposed_draft_tokens=sum(m.proposed_draft_tokens for m in metrics),
+        prefill_seconds=sum(m.prefill_seconds for m in metrics),
+        decode_seconds=sum(m.decode_seconds for m in metrics),
+        draft_seconds=total("draft_seconds"), verify_seconds=total("verify_seconds"),
+        position_proposed=sum((pad(m.position_proposed) for m in metrics), np.zeros(width, np.int64)).tolist(),
+        position_accepted=sum((pad(m.position_accepted) for m in metrics), np.zeros(width, np.int64)).tolist(),
+        batch_size=sum(m.batch_size for m in metrics),
+    )
