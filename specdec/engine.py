@@ -41,6 +41,7 @@ class LoopState:
     seq_len: jax.Array  # int32 [B]
     num_new: jax.Array  # int32 [B] generated tokens so far
     done: jax.Array  # bool [B]
+    limit: jax.Array  # int32 [B] max new tokens per row (traced, so a 1-token warm-up compiles the same loop)
     drafter_state: Any
     key: jax.Array
     # metric counters
@@ -60,7 +61,6 @@ class LoopSpec:
     drafter: Drafter
     policy: Any
     sampling: SamplingParams
-    max_new_tokens: int
     eos_ids: tuple[int, ...]
 
 
@@ -101,13 +101,13 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
     is_eos = jnp.isin(result.tokens, eos) & (slot < commit[:, None])
     hit_eos = jnp.any(is_eos, axis=1)
     commit = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, commit)
-    commit = jnp.minimum(commit, spec.max_new_tokens - state.num_new)
+    commit = jnp.minimum(commit, state.limit - state.num_new)
     active = ~state.done
     commit = jnp.where(active, commit, 0)
     seq = write_tokens(state.seq, jnp.where(slot < commit[:, None], result.tokens, 0), state.seq_len)
     seq_len = state.seq_len + commit
     num_new = state.num_new + commit
-    done = state.done | (active & hit_eos) | (num_new >= spec.max_new_tokens)
+    done = state.done | (active & hit_eos) | (num_new >= state.limit)
     # The new root (last committed token) is not in the target cache yet.
     cache = cache.with_lengths(jnp.where(active, seq_len - 1, state.cache.lengths))
 
@@ -148,18 +148,19 @@ _jit_update = jax.jit(update, static_argnames=("spec",))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "capacity"))
-def _initial_state(spec: LoopSpec, tokens, lengths, first_logits, cache, key, *, capacity: int):
+def _initial_state(spec: LoopSpec, tokens, lengths, first_logits, cache, key, limit, *, capacity: int):
     batch = tokens.shape[0]
     key, sub = jax.random.split(key)
     first = sample(sub, first_logits, spec.sampling)
     seq = jnp.zeros((batch, capacity), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
     seq = seq.at[jnp.arange(batch), lengths].set(first)
     eos = jnp.asarray(spec.eos_ids if spec.eos_ids else (-2,), jnp.int32)
-    done = jnp.isin(first, eos) | (spec.max_new_tokens <= 1)
+    limit = jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (batch,))
+    done = jnp.isin(first, eos) | (limit <= 1)
     n = spec.drafter.num_draft_tokens
     zeros = jnp.zeros((batch,), jnp.int32)
     return first, LoopState(cache=cache, seq=seq, seq_len=lengths + 1, num_new=zeros + 1, done=done,
-                            drafter_state=None, key=key, rounds=zeros, accepted=zeros, proposed=zeros,
+                            limit=limit, drafter_state=None, key=key, rounds=zeros, accepted=zeros, proposed=zeros,
                             position_proposed=jnp.zeros((n,), jnp.int32),
                             position_accepted=jnp.zeros((n,), jnp.int32))
 
@@ -173,8 +174,12 @@ class SpecOutput:
 def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
                          policy: str = "greedy_chain", max_new_tokens: int = 64,
                          sampling: SamplingParams = GREEDY, seed: int = 0, compiled: bool | None = None,
-                         max_seq_len: int | None = None) -> SpecOutput:
-    """Speculative decoding of a batch of token-id prompts with any drafter and verification policy."""
+                         max_seq_len: int | None = None, warmup: bool = False) -> SpecOutput:
+    """Speculative decoding of a batch of token-id prompts with any drafter and verification policy.
+
+    `warmup=True` first runs the same compiled programs for one round (untimed), so the reported times
+    exclude compilation.
+    """
     pol = get_policy(policy)
     if drafter.kind == "tree" and not pol.supports_trees:
         raise ValueError(f"policy {policy!r} verifies chains only, but drafter {drafter.name!r} proposes trees; "
@@ -186,17 +191,22 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     n = drafter.num_draft_tokens
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
     spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
-                    max_new_tokens=max_new_tokens, eos_ids=tuple(target.eos_token_ids))
+                    eos_ids=tuple(target.eos_token_ids))
     pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     tokens, lengths = pad_prompts(prompts, pad)
     capacity = cache_capacity(lengths, max_new_tokens, extra=n + 1)
-    cache = target.init_cache(len(prompts), capacity)
+    if warmup:
+        _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled)
+    return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled)
 
+
+def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled) -> SpecOutput:
+    cache = target.init_cache(len(tokens), capacity)
     t0 = time.perf_counter()
     logits, taps, cache = prefill(target.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                   forward=target.forward, cfg=target.cfg, taps=drafter.taps)
     first, state = _initial_state(spec, jnp.asarray(tokens), jnp.asarray(lengths), logits, cache,
-                                  jax.random.PRNGKey(seed), capacity=capacity)
+                                  jax.random.PRNGKey(seed), limit, capacity=capacity)
     prompt = PromptInfo(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), taps=taps, first_token=first)
     state = dataclasses.replace(state, drafter_state=drafter.init(drafter.params, prompt, capacity))
     jax.block_until_ready(state)
@@ -224,11 +234,11 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     t2 = time.perf_counter()
 
     seq, seq_len = np.asarray(state.seq), np.asarray(state.seq_len)
-    rows = [seq[i, lengths[i]: seq_len[i]].tolist() for i in range(len(prompts))]
+    rows = [seq[i, lengths[i]: seq_len[i]].tolist() for i in range(len(tokens))]
     metrics = DecodeMetrics(
         new_tokens=int(np.sum(seq_len - lengths)), rounds=int(np.sum(state.rounds)),
         accepted_draft_tokens=int(np.sum(state.accepted)), proposed_draft_tokens=int(np.sum(state.proposed)),
         prefill_seconds=t1 - t0, decode_seconds=t2 - t1, draft_seconds=draft_s, verify_seconds=verify_s,
         position_proposed=np.asarray(state.position_proposed).tolist(),
-        position_accepted=np.asarray(state.position_accepted).tolist(), batch_size=len(prompts))
+        position_accepted=np.asarray(state.position_accepted).tolist(), batch_size=len(tokens))
     return SpecOutput(tokens=rows, metrics=metrics)

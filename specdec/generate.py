@@ -72,9 +72,10 @@ def prefill(params, cache: KVCache, tokens, lengths, *, forward: Callable, cfg, 
 
 
 @functools.partial(jax.jit, static_argnames=("forward", "cfg", "sampling", "max_new_tokens", "eos_ids"))
-def decode_loop(params, cache: KVCache, first_logits, key, *, forward: Callable, cfg, sampling: SamplingParams,
-                max_new_tokens: int, eos_ids: tuple[int, ...]):
-    """Sample up to max_new_tokens per row inside one while_loop. Returns (tokens [B, N] -1 padded, counts)."""
+def decode_loop(params, cache: KVCache, first_logits, key, limit, *, forward: Callable, cfg,
+                sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...]):
+    """Sample up to `limit` (<= max_new_tokens, traced) tokens per row inside one while_loop.
+    Returns (tokens [B, max_new_tokens] -1 padded, counts [B])."""
     batch = first_logits.shape[0]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
@@ -85,7 +86,7 @@ def decode_loop(params, cache: KVCache, first_logits, key, *, forward: Callable,
         out = out.at[jnp.arange(batch), jnp.minimum(count, max_new_tokens - 1)].set(
             jnp.where(done, out[jnp.arange(batch), jnp.minimum(count, max_new_tokens - 1)], token))
         count = count + (~done).astype(jnp.int32)
-        done = done | jnp.isin(token, eos) | (count >= max_new_tokens)
+        done = done | jnp.isin(token, eos) | (count >= limit)
         return (out, count, done, key, cache), token
 
     def cond(carry):
@@ -124,24 +125,35 @@ class GenerationOutput:
 
 
 def generate(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
-             sampling: SamplingParams = GREEDY, seed: int = 0, max_seq_len: int | None = None) -> GenerationOutput:
-    """Autoregressive generation for a batch of token-id prompts of any lengths."""
+             sampling: SamplingParams = GREEDY, seed: int = 0, max_seq_len: int | None = None,
+             warmup: bool = False) -> GenerationOutput:
+    """Autoregressive generation for a batch of token-id prompts of any lengths.
+
+    `warmup=True` first runs the same compiled programs for two tokens (untimed), so the reported times
+    exclude compilation."""
     prompts = [list(p) for p in prompts]
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len))
     pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     tokens, lengths = pad_prompts(prompts, pad)
-    cache = target.init_cache(len(prompts), cache_capacity(lengths, max_new_tokens))
+    if warmup:
+        _generate(target, tokens, lengths, max_new_tokens, 2, sampling, seed)
+    return _generate(target, tokens, lengths, max_new_tokens, max_new_tokens, sampling, seed)
+
+
+def _generate(target, tokens, lengths, max_new_tokens, limit, sampling, seed) -> GenerationOutput:
+    cache = target.init_cache(len(tokens), cache_capacity(lengths, max_new_tokens))
     t0 = time.perf_counter()
     logits, _, cache = prefill(target.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                forward=target.forward, cfg=target.cfg)
     logits.block_until_ready()
     t1 = time.perf_counter()
-    out, counts = decode_loop(target.params, cache, logits, jax.random.PRNGKey(seed), forward=target.forward,
+    out, counts = decode_loop(target.params, cache, logits, jax.random.PRNGKey(seed), jnp.int32(limit),
+                              forward=target.forward,
                               cfg=target.cfg, sampling=sampling, max_new_tokens=max_new_tokens,
                               eos_ids=tuple(target.eos_token_ids))
     out, counts = np.asarray(out), np.asarray(counts)
     t2 = time.perf_counter()
-    rows = [out[i, : counts[i]].tolist() for i in range(len(prompts))]
+    rows = [out[i, : counts[i]].tolist() for i in range(len(tokens))]
     return GenerationOutput(rows, lengths.tolist(), t1 - t0, t2 - t1)
 
 

@@ -1,0 +1,96 @@
+"""Compare drafters against the AR baseline on the same prompts in the same process.
+
+Used by the quickstart and `specdec generate`; every number in its table comes from one run: AR and each
+drafter decode the same token-id prompts, compile time excluded by a warm-up, and greedy outputs are
+checked token for token against AR.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from drafters import create_drafter
+from specdec.engine import speculative_generate
+from specdec.generate import ar_metrics, generate
+from specdec.metrics import DecodeMetrics, merge, speedup
+from specdec.sampling import GREEDY, SamplingParams
+from specdec.target import Target
+
+
+@dataclasses.dataclass
+class DrafterSpec:
+    name: str
+    num_draft_tokens: int = 5
+    params: dict = dataclasses.field(default_factory=dict)
+    policy: str = "greedy_chain"
+    label: str = ""
+
+    @property
+    def title(self) -> str:
+        if self.label:
+            return self.label
+        extra = ",".join(f"{k}={v}" for k, v in self.params.items())
+        return f"{self.name}(k={self.num_draft_tokens}{',' + extra if extra else ''})"
+
+
+@dataclasses.dataclass
+class Row:
+    method: str
+    policy: str
+    metrics: DecodeMetrics
+    speedup: float
+    matches_ar: bool | None  # greedy: token equality with AR; None when sampling (checked statistically)
+    outputs: list[list[int]]
+
+
+def run_ar(target: Target, prompts, max_new_tokens, sampling, batch_size=1):
+    outputs, metrics = [], []
+    for start in range(0, len(prompts), batch_size):
+        out = generate(target, prompts[start:start + batch_size], max_new_tokens, sampling, warmup=True)
+        outputs += out.tokens
+        metrics.append(ar_metrics(out))
+    return outputs, merge(metrics)
+
+
+def run_drafter(target: Target, spec: DrafterSpec, prompts, max_new_tokens, sampling, batch_size=1,
+                compiled=None, drafter=None):
+    drafter = drafter or create_drafter(spec.name, target, spec.num_draft_tokens, **spec.params)
+    outputs, metrics = [], []
+    for start in range(0, len(prompts), batch_size):
+        out = speculative_generate(target, drafter, prompts[start:start + batch_size], policy=spec.policy,
+                                   max_new_tokens=max_new_tokens, sampling=sampling, compiled=compiled,
+                                   warmup=True)
+        outputs += out.tokens
+        metrics.append(out.metrics)
+    return outputs, merge(metrics)
+
+
+def compare(target: Target, prompts: Sequence[Sequence[int]], specs: Sequence[DrafterSpec], *,
+            max_new_tokens: int = 64, sampling: SamplingParams = GREEDY, batch_size: int = 1,
+            progress=None) -> list[Row]:
+    prompts = [list(p) for p in prompts]
+    ar_out, ar = run_ar(target, prompts, max_new_tokens, sampling, batch_size)
+    rows = [Row("autoregressive", "-", ar, 1.0, True if sampling.greedy else None, ar_out)]
+    if progress:
+        progress(rows[-1])
+    for spec in specs:
+        out, m = run_drafter(target, spec, prompts, max_new_tokens, sampling, batch_size)
+        rows.append(Row(spec.title, spec.policy, m, speedup(ar, m), (out == ar_out) if sampling.greedy else None,
+                        out))
+        if progress:
+            progress(rows[-1])
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    """A markdown table: the one researchers paste into notes."""
+    lines = ["| method | policy | tau | accept rate | tok/s | speedup vs AR | output == AR |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r.metrics
+        rate = "-" if r.method == "autoregressive" else f"{m.acceptance_rate:.2f}"
+        same = {True: "yes", False: "NO", None: "n/a (sampled)"}[r.matches_ar]
+        lines.append(f"| {r.method} | {r.policy} | {m.tau:.2f} | {rate} | {m.tokens_per_second:.1f} | "
+                     f"{r.speedup:.2f}x | {same} |")
+    return "\n".join(lines)
