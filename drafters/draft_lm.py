@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from drafters import register
 from specdec.drafter import Drafter, PromptInfo, RoundContext
+from specdec import trees
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
@@ -35,15 +36,19 @@ class DraftLMDrafter(Drafter):
         out = transformer.forward(params, self.cfg, cache, prompt.tokens, logits_at=(prompt.lengths - 1)[:, None])
         return out.cache.with_lengths(prompt.lengths)
 
-    def propose(self, params, cache: transformer.KVCache, ctx: RoundContext, sampling, key):
-        n = self.num_draft_tokens
-        # 1. catch up on committed tokens the draft cache has not seen (the root included): at most n + 1
-        width = n + 1
+    def catch_up(self, params, cache: transformer.KVCache, ctx: RoundContext):
+        """Feed the committed tokens the draft cache has not seen (the root included; at most N + 1) in one
+        step. Returns the draft's logits at the root [B, V] and the cache holding exactly the committed tokens."""
+        width = self.num_draft_tokens + 1
         pending = ctx.seq_len - cache.lengths
         idx = jnp.clip(cache.lengths[:, None] + jnp.arange(width)[None, :], 0, ctx.seq.shape[1] - 1)
         tokens = jnp.take_along_axis(ctx.seq, idx, axis=1)
         out = transformer.forward(params, self.cfg, cache, tokens, logits_at=(pending - 1)[:, None])
-        committed = out.cache.with_lengths(ctx.seq_len)
+        return out.logits[:, 0], out.cache.with_lengths(ctx.seq_len)
+
+    def propose(self, params, cache: transformer.KVCache, ctx: RoundContext, sampling, key):
+        n = self.num_draft_tokens
+        root_logits, committed = self.catch_up(params, cache, ctx)
         # 2. draft n tokens autoregressively (n - 1 more draft steps); drafted K/V sit past the committed length
         keys = jax.random.split(key, n)
 
@@ -56,7 +61,7 @@ class DraftLMDrafter(Drafter):
             new_token, q = draw(nxt.logits[:, 0], k)
             return (nxt.cache.advance(1), new_token), (new_token, q)
 
-        first, q0 = draw(out.logits[:, 0], keys[0])
+        first, q0 = draw(root_logits, keys[0])
         _, (rest, q_rest) = jax.lax.scan(step, (committed, first), keys[1:])
         drafted = jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
         probs = None if q0 is None else jnp.concatenate([q0[:, None], jnp.swapaxes(q_rest, 0, 1)], axis=1)
@@ -64,6 +69,68 @@ class DraftLMDrafter(Drafter):
 
     def describe(self):
         return {**super().describe(), "draft_layers": self.cfg.num_layers}
+
+
+class DraftLMTreeDrafter(DraftLMDrafter):
+    """The draft LM growing a dynamic token tree (EAGLE-2): expand the `top_k` best nodes of each depth by
+    their `top_k` most likely children for `depth` levels, then keep the `num_draft_tokens` candidates with the
+    highest cumulative draft log-probability (`specdec.trees.select_dynamic_tree`).
+
+    Each level runs the draft model once over every node expanded so far, with their ancestor mask; the draft
+    cache keeps only committed tokens, so nothing needs undoing. Candidates are top-k picks, not samples, so
+    the draft is deterministic (probs=None): multidraft_tree then verifies it losslessly at any temperature.
+    """
+
+    kind = "tree"
+
+    def __init__(self, cfg, params, num_draft_tokens: int, top_k: int, depth: int, name: str = "draft_lm"):
+        super().__init__(cfg, params, num_draft_tokens, name=name)
+        if top_k < 1 or depth < 1:
+            raise ValueError(f"tree drafting needs tree_top_k >= 1 and tree_depth >= 1, got {top_k}, {depth}")
+        candidates = top_k + (depth - 1) * top_k * top_k
+        if num_draft_tokens > candidates:
+            raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the {candidates} candidates a tree of "
+                             f"top_k={top_k}, depth={depth} produces")
+        self.top_k, self.depth = top_k, depth
+
+    def propose(self, params, cache, ctx: RoundContext, sampling, key):
+        k = self.top_k
+        root_logits, committed = self.catch_up(params, cache, ctx)
+        front_score, front_tokens = jax.lax.top_k(jax.nn.log_softmax(root_logits), k)  # depth-1 frontier
+        batch = front_tokens.shape[0]
+        front_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
+        cand_tokens, cand_parents, cand_scores = [front_tokens], [jnp.full((batch, k), -1, jnp.int32)], [front_score]
+        expanded_tokens, expanded_parents = front_tokens, jnp.full((batch, k), -1, jnp.int32)
+        offset = k
+        for level in range(1, self.depth):  # static loop over tree depth
+            mask, depth = trees.tree_attention(expanded_parents)
+            width = expanded_tokens.shape[1]
+            out = transformer.forward(params, self.cfg, committed, expanded_tokens,
+                                      ctx.seq_len[:, None] + depth[:, 1:] - 1, mask[:, 1:, 1:],
+                                      logits_at=jnp.broadcast_to(jnp.arange(width - k, width), (batch, k)))
+            child_score, child_tokens = jax.lax.top_k(jax.nn.log_softmax(out.logits), k)  # [B, k, k]
+            child_score = (front_score[:, :, None] + child_score).reshape(batch, k * k)
+            child_tokens = child_tokens.reshape(batch, k * k)
+            cand_tokens.append(child_tokens)
+            cand_parents.append(jnp.repeat(front_cand, k, axis=1))
+            cand_scores.append(child_score)
+            front_score, pick = jax.lax.top_k(child_score, k)  # the next level expands the k best children
+            front_cand = (offset + pick).astype(jnp.int32)
+            expanded_tokens = jnp.concatenate([expanded_tokens, jnp.take_along_axis(child_tokens, pick, 1)], 1)
+            expanded_parents = jnp.concatenate([expanded_parents, (level - 1) * k + pick // k], 1)
+            offset += k * k
+        draft, _ = trees.select_dynamic_tree(jnp.concatenate(cand_tokens, 1), jnp.concatenate(cand_parents, 1),
+                                             jnp.concatenate(cand_scores, 1), self.num_draft_tokens)
+        return draft, committed
+
+    def describe(self):
+        return {**super().describe(), "tree_top_k": self.top_k, "tree_depth": self.depth}
+
+
+def _make(cfg, params, num_draft_tokens, name, tree_top_k, tree_depth):
+    if tree_top_k or tree_depth:
+        return DraftLMTreeDrafter(cfg, params, num_draft_tokens, tree_top_k, tree_depth, name=name)
+    return DraftLMDrafter(cfg, params, num_draft_tokens, name=name)
 
 
 def _prefix_layers(params, num_layers: int):
@@ -76,15 +143,17 @@ def _prefix_layers(params, num_layers: int):
 
 
 @register("self_spec")
-def make_self_spec(target, num_draft_tokens: int, num_layers: int = 8):
+def make_self_spec(target, num_draft_tokens: int, num_layers: int = 8, tree_top_k: int = 0, tree_depth: int = 0):
     if not 1 <= num_layers < target.cfg.num_layers:
         raise ValueError(f"self_spec num_layers must be in [1, {target.cfg.num_layers - 1}], got {num_layers}")
     cfg = target.cfg.replace(num_layers=num_layers, name=f"{target.cfg.name}[:{num_layers}]")
-    return DraftLMDrafter(cfg, _prefix_layers(target.params, num_layers), num_draft_tokens, name="self_spec")
+    return _make(cfg, _prefix_layers(target.params, num_layers), num_draft_tokens, "self_spec", tree_top_k,
+                 tree_depth)
 
 
 @register("draft_lm")
-def make_draft_lm(target, num_draft_tokens: int, model: str = "", dtype: str | None = None):
+def make_draft_lm(target, num_draft_tokens: int, model: str = "", dtype: str | None = None, tree_top_k: int = 0,
+                  tree_depth: int = 0):
     from specdec.models.loading import load_checkpoint
 
     if not model:
@@ -94,4 +163,4 @@ def make_draft_lm(target, num_draft_tokens: int, model: str = "", dtype: str | N
         raise ValueError(f"draft model {model!r} has vocabulary {cfg.vocab_size}, the target "
                          f"{target.cfg.vocab_size}: a draft LM must share the target's tokenizer")
     params = jax.tree.map(lambda a: jnp.asarray(a, cfg.jnp_dtype), params)
-    return DraftLMDrafter(cfg, params, num_draft_tokens, name="draft_lm")
+    return _make(cfg, params, num_draft_tokens, "draft_lm", tree_top_k, tree_depth)

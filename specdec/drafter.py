@@ -75,6 +75,21 @@ class Drafter:
         policy's VerifyResult; `taps` [n_taps, B, N+1, H] target hidden states at [root, nodes] (or None)."""
         return state
 
+    # Drafters are static arguments of the compiled loop. A pure-JAX drafter is identified by its settings
+    # (its weights travel separately in `params`), so two equal drafters share one compiled program; a drafter
+    # with Python state is identified by the object itself.
+    def static_key(self) -> tuple:
+        settings = {k: v for k, v in vars(self).items() if k != "params"}
+        return (type(self).__qualname__, repr(sorted(settings.items())))
+
+    def __hash__(self) -> int:
+        return hash(self.static_key()) if self.jittable else id(self)
+
+    def __eq__(self, other) -> bool:
+        if not self.jittable or not isinstance(other, Drafter) or not other.jittable:
+            return self is other
+        return self.static_key() == other.static_key()
+
     def describe(self) -> dict:
         """Settings that identify this drafter in results tables."""
         return {"drafter": self.name, "num_draft_tokens": self.num_draft_tokens}

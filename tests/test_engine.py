@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from drafters import create_drafter
-from drafters.draft_lm import DraftLMDrafter
+from drafters.draft_lm import DraftLMDrafter, DraftLMTreeDrafter
 from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.models.config import tiny_config
@@ -33,16 +33,39 @@ def drafters_for(target):
     }
 
 
-@pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("policy", ["greedy_chain", "rejection_chain", "greedy_tree", "multidraft_tree"])
-def test_greedy_speculative_equals_ar(seed, policy):
-    target = make_target(seed)
-    ar = generate(target, PROMPTS, max_new_tokens=17)
-    for name, drafter in drafters_for(target).items():
-        batch = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17)
-        assert batch.tokens == ar.tokens, (name, policy)
-        single = speculative_generate(target, drafter, PROMPTS[1:2], policy=policy, max_new_tokens=17)
-        assert single.tokens[0] == ar.tokens[1], (name, policy)
+def test_greedy_speculative_equals_ar(policy):
+    """Many random models x every chain drafter, batch 4 with ragged acceptance and batch 1.
+    (Drafters hash by settings, so each (drafter, policy, shape) compiles once across seeds.)"""
+    for seed in range(4):
+        target = make_target(seed)
+        ar = generate(target, PROMPTS, max_new_tokens=17)
+        for name, drafter in drafters_for(target).items():
+            batch = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17)
+            assert batch.tokens == ar.tokens, (seed, name, policy)
+            single = speculative_generate(target, drafter, PROMPTS[1:2], policy=policy, max_new_tokens=17)
+            assert single.tokens[0] == ar.tokens[1], (seed, name, policy)
+
+
+@pytest.mark.parametrize("policy", ["greedy_tree", "multidraft_tree"])
+def test_dynamic_tree_drafts_are_lossless_and_compacted(policy):
+    """EAGLE-2 style trees from a draft LM: greedy output equals AR, so compaction kept the right K/V."""
+    for seed in range(3):
+        target = make_target(seed)
+        ar = generate(target, PROMPTS, max_new_tokens=17)
+        for drafter in (create_drafter("self_spec", target, 6, num_layers=1, tree_top_k=2, tree_depth=3),
+                        DraftLMTreeDrafter(target.cfg, target.params, 8, top_k=2, depth=4, name="oracle_tree")):
+            out = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17)
+            assert out.tokens == ar.tokens, (seed, drafter.name, policy)
+
+
+def test_oracle_tree_with_every_candidate_accepts_full_depth():
+    target = make_target(1, eos_token_ids=())
+    drafter = DraftLMTreeDrafter(target.cfg, target.params, 14, top_k=2, depth=4, name="oracle_tree")
+    out = speculative_generate(target, drafter, PROMPTS, policy="greedy_tree", max_new_tokens=21)
+    assert out.tokens == generate(target, PROMPTS, max_new_tokens=21).tokens
+    assert out.metrics.position_accepted[0] == out.metrics.rounds  # depth 1 always accepted
+    assert out.metrics.tau > 3.5
 
 
 def test_host_stepped_loop_equals_compiled_loop():
@@ -134,12 +157,14 @@ def chi_square_pvalue(counts: np.ndarray, expected_p: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("drafter_name,policy", [("self_spec", "rejection_chain"), ("ngram", "rejection_chain"),
-                                                 ("self_spec", "multidraft_tree")])
+                                                 ("self_spec", "multidraft_tree"), ("tree", "multidraft_tree")])
 def test_sampled_speculative_output_matches_target_distribution(drafter_name, policy):
     """Significance 1e-3 per test: a correct engine fails this with probability 0.001 (seeds are fixed)."""
     target = random_target(tiny_config(vocab_size=VOCAB, eos_token_ids=(), pad_token_id=0), seed=2, scale=0.6)
-    drafter = (create_drafter("self_spec", target, 3, num_layers=1) if drafter_name == "self_spec"
-               else create_drafter("ngram", target, 3, max_ngram=1))
+    drafter = {"self_spec": lambda: create_drafter("self_spec", target, 3, num_layers=1),
+               "ngram": lambda: create_drafter("ngram", target, 3, max_ngram=1),
+               "tree": lambda: create_drafter("self_spec", target, 5, num_layers=1, tree_top_k=2, tree_depth=3),
+               }[drafter_name]()
     length = 3
     out = speculative_generate(target, drafter, [PROMPT] * NUM_SAMPLES, policy=policy, max_new_tokens=length,
                                sampling=SAMPLING, seed=123)
