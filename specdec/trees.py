@@ -1,0 +1,231 @@
+"""Token trees: static tree shapes, the tree attention mask, dynamic (EAGLE-2) tree selection, and KV-cache
+compaction after a tree verify.
+
+Conventions (shared with `specdec.verify.Draft` and `specdec.models.transformer.forward`):
+- A tree of N nodes hangs below a root, the last committed token. Node i has a parent index in [-1, i): -1 is
+  the root, and parents always come before their children (topological order), so a single left-to-right
+  pass sees every parent before its children.
+- In a verify forward the root and the nodes are fed together as T = N + 1 new tokens, root first: token 0 is
+  the root, token i + 1 is node i. The root is written at cache slot `lengths[b]`, node i at
+  `lengths[b] + 1 + i`; the RoPE position of token t is `lengths[b] + depth[b, t]` (root depth 0).
+- After verification only the accepted path keeps its K/V: `compact_cache` moves it to the slots a chain of
+  the same tokens would have used, and the engine then advances the lengths by 1 + num_accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec.models.transformer import KVCache
+from specdec.verify.base import Draft
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Static trees (Medusa / EAGLE-1 "choices")
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticTree:
+    """A fixed tree shape, built once on the host. Equal (and hashed) by its paths, so it can be static config.
+
+    Node i corresponds to `paths[i]`, the list of top-k ranks from the root down to it: [0, 1] is the
+    second-best continuation of the best first token. Nodes are in BFS order (by depth, then by ranks).
+    """
+
+    paths: tuple[tuple[int, ...], ...]
+    parents: np.ndarray  # int32 [N], -1 = root
+    depth: np.ndarray  # int32 [N], 1 for the root's children (the root itself has depth 0)
+    rank: np.ndarray  # int32 [N], which candidate of its parent (0 = the parent's top-1 continuation)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max()) if self.num_nodes else 0
+
+    @property
+    def topk_per_depth(self) -> tuple[int, ...]:
+        """How many candidates a drafter must produce at each depth (max rank + 1), e.g. one per Medusa head."""
+        return tuple(int(self.rank[self.depth == d].max()) + 1 for d in range(1, self.max_depth + 1))
+
+    def batched_parents(self, batch_size: int) -> jax.Array:
+        """The parents as the int32 [B, N] array a `Draft` carries."""
+        return jnp.broadcast_to(jnp.asarray(self.parents, jnp.int32), (batch_size, self.num_nodes))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StaticTree) and self.paths == other.paths
+
+    def __hash__(self) -> int:
+        return hash(self.paths)
+
+
+def tree_from_paths(paths: Sequence[Sequence[int]]) -> StaticTree:
+    """Build a StaticTree from Medusa / EAGLE-1 style choices, e.g. [[0], [1], [0, 0], [0, 1], [1, 0]].
+
+    Raises ValueError on an empty list, an empty or non-integer or negative path, a duplicate, or a path
+    whose prefix is missing (every node needs its parent in the tree).
+    """
+    if len(paths) == 0:
+        raise ValueError("a tree needs at least one path")
+    clean = []
+    for path in paths:
+        path = tuple(path)
+        if not path:
+            raise ValueError("empty path: the root is implicit, every path names at least one node")
+        if any(not isinstance(r, (int, np.integer)) or isinstance(r, bool) or r < 0 for r in path):
+            raise ValueError(f"path {list(path)} must hold non-negative integer ranks")
+        clean.append(tuple(int(r) for r in path))
+    if len(set(clean)) != len(clean):
+        dupes = sorted({p for p in clean if clean.count(p) > 1})
+        raise ValueError(f"duplicate paths: {[list(p) for p in dupes]}")
+    present = set(clean)
+    for path in clean:
+        for cut in range(1, len(path)):
+            if path[:cut] not in present:
+                raise ValueError(f"path {list(path)} needs its prefix {list(path[:cut])}, which is missing")
+
+    ordered = sorted(clean, key=lambda p: (len(p), p))  # BFS: parents (shorter prefixes) come first
+    index = {p: i for i, p in enumerate(ordered)}
+    parents = np.array([index[p[:-1]] if len(p) > 1 else -1 for p in ordered], np.int32)
+    depth = np.array([len(p) for p in ordered], np.int32)
+    rank = np.array([p[-1] for p in ordered], np.int32)
+    return StaticTree(paths=tuple(ordered), parents=parents, depth=depth, rank=rank)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ancestors, attention mask, depths
+# ----------------------------------------------------------------------------------------------------------
+
+def ancestor_matrix(parents: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """anc[b, i, j] = node j is node i or one of its ancestors (root excluded): bool [B, N, N].
+
+    One pass in node order: a node's row is its parent's row plus itself, which topological order makes
+    available. Invalid nodes are treated as children of the root, so whatever their parent field holds they
+    only see themselves (and the root).
+    """
+    b, n = parents.shape
+    parents = parents.astype(jnp.int32)
+    if valid is not None:
+        parents = jnp.where(valid, parents, -1)
+    rows = jnp.arange(b)
+    eye = jnp.eye(n, dtype=bool)
+
+    def add_node(i, anc):
+        parent = parents[:, i]
+        parent_row = anc[rows, jnp.clip(parent, 0, n - 1)] & (parent >= 0)[:, None]
+        return anc.at[:, i].set(parent_row | eye[i])
+
+    return jax.lax.fori_loop(0, n, add_node, jnp.zeros((b, n, n), bool))
+
+
+def tree_attention(parents: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The `tree_mask` for `transformer.forward` over [root, nodes], and each token's depth.
+
+    Returns mask bool [B, N+1, N+1] (token t may attend to token u: the root sees itself; node i sees the
+    root, its ancestors and itself) and depth int32 [B, N+1] (root 0, its children 1, ...). The RoPE
+    positions of the verify forward are `cache.lengths[:, None] + depth`, which gives every node the
+    position it would have in a chain along its own path.
+    """
+    b, n = parents.shape
+    anc = ancestor_matrix(parents, valid)
+    node_rows = jnp.concatenate([jnp.ones((b, n, 1), bool), anc], axis=2)
+    root_row = jnp.broadcast_to(jnp.arange(n + 1) == 0, (b, 1, n + 1))
+    mask = jnp.concatenate([root_row, node_rows], axis=1)
+    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.sum(anc, axis=2, dtype=jnp.int32)], axis=1)
+    return mask, depth
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dynamic trees (EAGLE-2)
+# ----------------------------------------------------------------------------------------------------------
+
+def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array, num_nodes: int,
+                        probs: jax.Array | None = None,
+                        valid: jax.Array | None = None) -> tuple[Draft, jax.Array]:
+    """Keep the `num_nodes` candidates with the highest cumulative draft log-prob and renumber them as a Draft.
+
+    Expected candidate layout (C candidates per row, in the order they were generated):
+      tokens  int32 [B, C]    the candidate token
+      parents int32 [B, C]    index of its parent among the candidates, -1 = the root; parents[b, c] < c.
+                              EAGLE-2 order: the root's top-k children, then the children of the k nodes
+                              expanded at depth 1, and so on; unexpanded candidates simply have no children.
+      scores  float [B, C]    cumulative draft log-prob of the path root -> c (sum of log q along it)
+      probs   float [B, C, V] optional: the distribution c was drawn from (q at its parent). Only pass it if
+                              the candidate was *sampled* from it; top-k picks are deterministic, and lossless
+                              verification must then treat them as one-hot (probs=None).
+      valid   bool [B, C]     optional: candidates that exist (others are never selected as valid nodes)
+
+    Why the result is always a tree: a child's score is its parent's plus a log-prob <= 0, so a kept node's
+    ancestors score at least as high. To stay correct with ties (a child with log-prob 0) and with scores that
+    are not exactly monotone, scores are first made monotone along every path (a node's score is capped by
+    its parent's) and ties are broken by candidate index, so a parent (lower index) always outranks its
+    children. The kept candidates are then sorted by index, which keeps the order topological.
+
+    Returns the Draft (N = num_nodes; `valid` False for slots filled with invalid candidates when a row has
+    fewer than num_nodes valid ones) and `selected` int32 [B, num_nodes], the candidate index of each node
+    (for the drafter to gather per-node state).
+    """
+    b, c = tokens.shape
+    if num_nodes > c:
+        raise ValueError(f"cannot keep num_nodes={num_nodes} out of {c} candidates")
+    rows = jnp.arange(b)
+    parents = parents.astype(jnp.int32)
+    scores = scores.astype(jnp.float32)
+    if valid is not None:
+        scores = jnp.where(valid, scores, -jnp.inf)
+
+    def cap_by_parent(i, s):
+        parent = parents[:, i]
+        parent_score = jnp.where(parent >= 0, s[rows, jnp.clip(parent, 0, c - 1)], jnp.inf)
+        return s.at[:, i].set(jnp.minimum(s[:, i], parent_score))
+
+    scores = jax.lax.fori_loop(0, c, cap_by_parent, scores)
+    top_scores, chosen = jax.lax.top_k(scores, num_nodes)  # equal scores: lower index first
+    order = jnp.argsort(chosen, axis=1)
+    chosen = jnp.take_along_axis(chosen, order, axis=1).astype(jnp.int32)
+    kept_valid = jnp.take_along_axis(top_scores, order, axis=1) > -jnp.inf
+
+    new_index = jnp.full((b, c), -1, jnp.int32).at[rows[:, None], chosen].set(jnp.arange(num_nodes, dtype=jnp.int32))
+    old_parent = jnp.take_along_axis(parents, chosen, axis=1)
+    new_parent = jnp.where(old_parent >= 0,
+                           jnp.take_along_axis(new_index, jnp.maximum(old_parent, 0), axis=1), -1)
+    kept_probs = None if probs is None else jnp.take_along_axis(probs, chosen[..., None], axis=1)
+    draft = Draft(tokens=jnp.take_along_axis(tokens, chosen, axis=1).astype(jnp.int32),
+                  parents=new_parent.astype(jnp.int32), probs=kept_probs, valid=kept_valid)
+    return draft, chosen
+
+
+# ----------------------------------------------------------------------------------------------------------
+# KV-cache compaction
+# ----------------------------------------------------------------------------------------------------------
+
+def compact_cache(cache: KVCache, path: jax.Array, num_accepted: jax.Array) -> KVCache:
+    """Move the K/V of the accepted path to where a chain would have put it.
+
+    The verify forward wrote the root at slot lengths[b] and node i at lengths[b] + 1 + i. For j <
+    num_accepted[b], node path[b, j] moves to slot lengths[b] + 1 + j; other slots are left as they are (they
+    lie past the new length and will be overwritten). Lengths are unchanged: the engine advances them by
+    1 + num_accepted afterwards. All sources are gathered before any write, so overlapping moves are safe.
+    Works for per-layer [B, S, KVH, HD] arrays and stacked [L, B, S, KVH, HD] ones (batch axis ndim - 4,
+    sequence axis ndim - 3). For a chain (path = 0, 1, ...) it rewrites every slot with its own contents.
+    """
+    b, n = path.shape
+    capacity = cache.capacity
+    steps = jnp.arange(n, dtype=jnp.int32)[None, :]
+    start = cache.lengths[:, None].astype(jnp.int32) + 1
+    src = jnp.clip(start + jnp.maximum(path, 0), 0, capacity - 1)
+    dst = jnp.where(steps < num_accepted[:, None], start + steps, capacity)  # capacity = out of range: dropped
+    rows = jnp.arange(b)[:, None]
+
+    def move(x):
+        lead = (slice(None),) * (x.ndim - 4)
+        return x.at[lead + (rows, dst)].set(x[lead + (rows, src)], mode="drop")
+
+    return dataclasses.replace(cache, k=jax.tree.map(move, cache.k), v=jax.tree.map(move, cache.v))
