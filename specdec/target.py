@@ -21,9 +21,9 @@ from specdec.models.tokenizer import Tokenizer
 BACKENDS = ("reference", "scan", "megakernel")
 
 
-def _megakernel_forward():
+def _megakernel():
     from specdec.kernels import megakernel  # imported lazily: Pallas is only needed for this backend
-    return megakernel.forward
+    return megakernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Backend:
     name: str
     stacked: bool  # weights and cache in the stacked [L, ...] layout
     forward: Callable
+    prepare: Callable | None = None  # (params, cfg) -> params in the backend's layout, run once at load
 
 
 def get_backend(name: str) -> Backend:
@@ -39,7 +40,9 @@ def get_backend(name: str) -> Backend:
     if name == "scan":
         return Backend("scan", True, transformer.forward)
     if name == "megakernel":
-        return Backend("megakernel", True, _megakernel_forward())
+        mk = _megakernel()
+        # keep the stacked layers beside the packed tiles: self-speculation and draft LMs read them
+        return Backend("megakernel", True, mk.forward, lambda p, cfg: mk.prepare_params(p, cfg, keep_layers=True))
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
@@ -57,6 +60,8 @@ class Target:
         be = get_backend(backend)
         params = jax.tree.map(lambda a: jnp.asarray(a, cfg.jnp_dtype), params)
         params = transformer.stack_layers(params) if be.stacked else transformer.unstack_layers(params)
+        if be.prepare is not None:
+            params = be.prepare(params, cfg)
         return cls(cfg=cfg, params=params, tokenizer=tokenizer, backend=be)
 
     @property
