@@ -71,11 +71,13 @@ def prefill(params, cache: KVCache, tokens, lengths, *, forward: Callable, cfg, 
     return out.logits[:, 0], out.taps, out.cache.with_lengths(lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "sampling", "max_new_tokens", "eos_ids"))
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "sampling", "max_new_tokens", "eos_ids"),
+                   donate_argnames=("cache",))
 def decode_loop(params, cache: KVCache, first_logits, key, limit, *, forward: Callable, cfg,
                 sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...]):
     """Sample up to `limit` (<= max_new_tokens, traced) tokens per row inside one while_loop.
-    Returns (tokens [B, max_new_tokens] -1 padded, counts [B])."""
+    Returns (tokens [B, max_new_tokens] -1 padded, counts [B], cache). The cache is donated and returned so
+    the loop updates it in place instead of copying every layer's buffers on entry."""
     batch = first_logits.shape[0]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
@@ -104,7 +106,7 @@ def decode_loop(params, cache: KVCache, first_logits, key, limit, *, forward: Ca
             jnp.zeros((batch,), bool), key, cache)
     state, token = emit(init, first_logits)
     (out, count, _, _, cache), _ = jax.lax.while_loop(cond, body, (state, token))
-    return out, count
+    return out, count, cache
 
 
 @dataclasses.dataclass
@@ -147,7 +149,7 @@ def _generate(target, tokens, lengths, max_new_tokens, limit, sampling, seed) ->
                                forward=target.forward, cfg=target.cfg)
     logits.block_until_ready()
     t1 = time.perf_counter()
-    out, counts = decode_loop(target.params, cache, logits, jax.random.PRNGKey(seed), jnp.int32(limit),
+    out, counts, _ = decode_loop(target.params, cache, logits, jax.random.PRNGKey(seed), jnp.int32(limit),
                               forward=target.forward,
                               cfg=target.cfg, sampling=sampling, max_new_tokens=max_new_tokens,
                               eos_ids=tuple(target.eos_token_ids))

@@ -55,7 +55,8 @@ def read_gguf(path: Path):
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the gguf package raises a mix of ValueError / struct.error / IndexError
-        raise CorruptCheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+        raise CorruptCheckpointError(
+            f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from e
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise CorruptCheckpointError(f"{path}: truncated (tensor {t.name} ends past the end of the file)")
@@ -219,7 +220,11 @@ def load_hf_dir(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict, 
     flags = dict(HF_ARCHS[arch])
     if hf.get("attention_bias"):
         flags["attention_bias"] = True
-    rope_scaling = hf.get("rope_scaling")
+    # transformers >= 5 writes `rope_parameters` (rope_theta + rope_type + scaling keys); older configs write
+    # top-level `rope_theta` and `rope_scaling`.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_scaling = ({("rope_type" if k == "type" else k): v for k, v in rope.items() if k != "rope_theta"}
+                    if rope.get("rope_type", rope.get("type", "default")) != "default" else None)
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -228,7 +233,7 @@ def load_hf_dir(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict, 
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -22,6 +22,16 @@ from specdec.models.registry import UnsupportedModelError
 TOKEN_TYPE_CONTROL = 3  # GGUF token_type for special (control) tokens
 
 
+GGUF_PRE_TOKENIZERS = {
+    # SmolLM2 ("smollm"): digits split individually, then GPT-2 byte-level with its regex.
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+    # plain GPT-2 byte-level BPE
+    "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+}
+
+
 def _raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -81,12 +91,14 @@ class Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
         types = field("tokenizer.ggml.token_type", [1] * len(tokens))
         vocab = {tok: i for i, tok in enumerate(tokens)}
+        pre = field("tokenizer.ggml.pre", "default")
+        if pre not in GGUF_PRE_TOKENIZERS:
+            # A wrong pre-tokenizer silently changes token ids, so refuse rather than guess.
+            raise UnsupportedModelError(
+                f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(GGUF_PRE_TOKENIZERS)}); "
+                "load the model from a Hugging Face directory with tokenizer.json instead")
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        # SmolLM2's pre-tokenizer ("smollm"): digits split individually, then GPT-2 byte-level with its regex.
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        backend.pre_tokenizer = GGUF_PRE_TOKENIZERS[pre]()
         backend.decoder = decoders.ByteLevel()
         special = [tok for tok, kind in zip(tokens, types) if kind == TOKEN_TYPE_CONTROL]
         backend.add_special_tokens(special)
