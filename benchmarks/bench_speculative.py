@@ -1,0 +1,391 @@
+"""Speculative decoding with the training-free drafters against AR, in ONE run on the current machine.
+
+For each subset (MT-Bench first turns, GSM8K test, HumanEval; the first --n prompts of each, chat-templated
+with the target's own template) and each batch size (--batches, default 1 and 8):
+  * AR greedy (`specdec.generate.generate`) on the same prompts in the same process: the baseline;
+  * each drafter (--drafters; default prompt lookup / n-gram, suffix decoding, self-speculation), greedy:
+    tau (bonus token counted), draft acceptance rate, decode tok/s, tok/s including prefill, speedup over
+    AR (AR decode time per token / speculative decode time per token), and `lossless` = how many prompts'
+    greedy output equals AR token for token;
+  * transformers' prompt lookup (`generate(prompt_lookup_num_tokens=10, do_sample=False)`, same GGUF,
+    float32) at batch 1 as the peer, compared on tok/s including prefill (transformers' generate times the
+    whole call).
+Every call runs with `warmup=True` (the same compiled programs first run for 2 tokens, untimed), so timings
+exclude compilation. The suffix drafter's global corpus is cleared before each (subset, batch): within it,
+it holds the outputs of the earlier prompts (batch 1) / earlier-finished rows (batch 8) of that run only.
+
+Loop overhead (--overhead): for the compiled while_loop (n-gram drafter, one prompt repeated B times so
+every row runs the same number of rounds), decode time per round against the bare jitted verify step
+(`target.forward` on N+1 tokens with the chain mask, donated cache of the same capacity, at the run's mean
+cache length). Goal: ratio < 1.05.
+
+    SPECDEC_CACHE=... python benchmarks/bench_speculative.py [--n 8] [--max-new-tokens 128] [--json OUT]
+    # drafters as name:key=value,... (k = num_draft_tokens, policy = verification policy)
+    python benchmarks/bench_speculative.py --drafters ngram:k=3 suffix:k=8,min_score=0.2 self_spec:k=3,num_layers=26
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from drafters import create_drafter
+from specdec import trees
+from specdec.engine import speculative_generate
+from specdec.generate import ar_metrics, cache_capacity, generate
+from specdec.metrics import merge, speedup
+from specdec.models import registry
+from specdec.models.loading import load_checkpoint
+from specdec.sampling import GREEDY
+from specdec.target import Target
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = Path(os.environ.get("SPECDEC_DATA", REPO.parent / "shared" / "data"))
+SUBSETS = ("mt_bench", "gsm8k", "humaneval")
+DEFAULT_DRAFTERS = ("ngram:k=3,max_ngram=3", "suffix:k=4", "self_spec:k=3,num_layers=26")
+DEFAULT_POLICY = {"chain": "greedy_chain", "tree": "greedy_tree"}
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a Python "
+                         "code block.\n\n```python\n{prompt}```")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prompts
+# ----------------------------------------------------------------------------------------------------------
+
+def _jsonl(path: Path, n: int) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+            if len(rows) == n:
+                break
+    return rows
+
+
+def load_prompts(subset: str, n: int, data: Path) -> list[str]:
+    """The first n user messages of a subset (MT-Bench: first turn only)."""
+    if subset == "mt_bench":
+        return [r["turns"][0] for r in _jsonl(data / "mt_bench" / "question.jsonl", n)]
+    if subset == "gsm8k":
+        return [r["question"] for r in _jsonl(data / "gsm8k" / "test.jsonl", n)]
+    if subset == "humaneval":
+        return [HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"])
+                for r in _jsonl(data / "humaneval" / "HumanEval.jsonl", n)]
+    raise ValueError(f"unknown subset {subset!r}; choose from {', '.join(SUBSETS)}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Drafter specs
+# ----------------------------------------------------------------------------------------------------------
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSpec:
+    name: str
+    k: int
+    policy: str | None
+    params: tuple[tuple[str, object], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "DrafterSpec":
+        """`name[:key=value,...]`; k = num_draft_tokens (default 5), policy = verification policy."""
+        name, _, rest = text.partition(":")
+        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        k = int(opts.pop("k", 5))
+        policy = opts.pop("policy", None)
+        return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())))
+
+    @property
+    def label(self) -> str:
+        extra = "".join(f",{k}={v}" for k, v in self.params)
+        return f"{self.name}(k={self.k}{extra})"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Runs
+# ----------------------------------------------------------------------------------------------------------
+
+def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    return [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+
+
+def run_ar(target: Target, groups, max_new: int):
+    """AR on each group; `warmup=True` first runs the same compiled programs for 2 tokens (untimed)."""
+    outs = [generate(target, g, max_new_tokens=max_new, sampling=GREEDY, warmup=True) for g in groups]
+    tokens = [row for o in outs for row in o.tokens]
+    return tokens, merge([ar_metrics(o) for o in outs])
+
+
+def run_spec(target: Target, drafter, policy: str, groups, max_new: int):
+    """The drafter on each group, warmed up like `run_ar`. The suffix drafter starts with an empty global
+    corpus (it does not keep the 2-token warm-up outputs, see drafters/suffix.py)."""
+    if hasattr(drafter, "clear_global"):
+        drafter.clear_global()
+    outs = [speculative_generate(target, drafter, g, policy=policy, max_new_tokens=max_new, sampling=GREEDY,
+                                 warmup=True) for g in groups]
+    tokens = [row for o in outs for row in o.tokens]
+    return tokens, merge([o.metrics for o in outs])
+
+
+@functools.lru_cache(maxsize=1)
+def hf_model(gguf_path: str):
+    import torch
+    import transformers
+
+    path = os.path.abspath(gguf_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                              gguf_file=os.path.basename(path),
+                                                              dtype=torch.float32)
+    return model.eval()
+
+
+def run_hf_prompt_lookup(gguf_path: str, prompts: list[list[int]], max_new: int, eos: tuple[int, ...],
+                         num_tokens: int = 10, threads: int = 0) -> tuple[list[list[int]], dict]:
+    """transformers' prompt lookup decoding at batch 1; tok/s over the whole generate call (prefill included).
+    threads: torch intra-op threads (0 = torch's default)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = hf_model(gguf_path)
+    kwargs = dict(do_sample=False, num_beams=1, prompt_lookup_num_tokens=num_tokens, max_new_tokens=max_new,
+                  eos_token_id=list(eos) or None, pad_token_id=eos[0] if eos else 0)
+    outputs, tokens, seconds = [], 0, 0.0
+    with torch.no_grad():
+        warm = torch.tensor([prompts[0]])
+        model.generate(warm, attention_mask=torch.ones_like(warm), **{**kwargs, "max_new_tokens": 8})
+        for p in prompts:
+            ids = torch.tensor([p])
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            seconds += time.perf_counter() - t0
+            new = out[0, ids.shape[1]:].tolist()
+            outputs.append(new)
+            tokens += len(new)
+    return outputs, {"new_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                     "threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loop overhead: compiled while_loop round vs the bare verify step
+# ----------------------------------------------------------------------------------------------------------
+
+def make_verify_step(target: Target, n: int):
+    """target.forward on [root, n chain nodes], with the engine's chain mask and positions, cache donated."""
+    parents = jnp.arange(n, dtype=jnp.int32) - 1
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(params, cache, tokens):
+        b = tokens.shape[0]
+        mask, depth = trees.tree_attention(jnp.broadcast_to(parents, (b, n)), jnp.ones((b, n), bool))
+        out = target.forward(params, target.cfg, cache, tokens, cache.lengths[:, None] + depth, mask)
+        return out.logits, out.cache
+
+    return step
+
+
+def loop_overhead(target: Target, prompt: list[int], batch: int, spec: DrafterSpec, max_new: int,
+                  reps: int = 5) -> dict:
+    """Compiled-loop time per round vs the bare verify step, each as the best of `reps` interleaved repeats
+    of (one whole generation) / (as many back-to-back verify steps as the generation had rounds)."""
+    drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
+    if not drafter.jittable:
+        raise ValueError("the loop-overhead measurement needs a jittable (compiled-loop) drafter")
+    policy = spec.policy or DEFAULT_POLICY[drafter.kind]
+    prompts = [prompt] * batch
+    n = drafter.num_draft_tokens
+    step = make_verify_step(target, n)
+    capacity = cache_capacity([len(prompt)] * batch, max_new, extra=n + 1)
+    tokens = jnp.asarray(np.tile(np.asarray(prompt[-(n + 1):], np.int32), (batch, 1)))
+
+    def generation():
+        return speculative_generate(target, drafter, prompts, policy=policy, max_new_tokens=max_new)
+
+    out = generation()  # compiles
+    rounds = out.metrics.rounds // batch  # identical rows: every row is active in every round
+    mid = len(prompt) + out.metrics.new_tokens // batch // 2  # mean cache length over the run
+    cache = target.init_cache(batch, capacity).with_lengths(jnp.full((batch,), mid, jnp.int32))
+    logits, cache = step(target.params, cache, tokens)  # compile
+    jax.block_until_ready(logits)
+    loop, bare = [], []
+    for _ in range(reps):
+        out = generation()
+        loop.append(out.metrics.decode_seconds / (out.metrics.rounds // batch))
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            logits, cache = step(target.params, cache, tokens)
+        jax.block_until_ready(logits)
+        bare.append((time.perf_counter() - t0) / rounds)
+    loop_ms, bare_ms = 1e3 * min(loop), 1e3 * min(bare)
+    return {"drafter": spec.label, "batch": batch, "rounds": rounds, "loop_ms_per_round": loop_ms,
+            "bare_verify_ms": bare_ms, "ratio": loop_ms / bare_ms,
+            "loop_ms_all": [1e3 * x for x in loop], "bare_ms_all": [1e3 * x for x in bare]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=registry.DEFAULT_MODEL, help="registry name, .gguf path or HF directory")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
+    ap.add_argument("--subsets", nargs="+", default=list(SUBSETS), choices=SUBSETS)
+    ap.add_argument("--n", type=int, default=8, help="prompts per subset")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--drafters", nargs="+", default=list(DEFAULT_DRAFTERS),
+                    help="name:k=N,param=value,...,policy=P (default policy: greedy_chain / greedy_tree)")
+    ap.add_argument("--hf-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch threads for transformers (0 = torch's default; 1 holds up better on a busy machine)")
+    ap.add_argument("--overhead", default="ngram:k=3,max_ngram=3",
+                    help="jittable drafter for the loop-overhead measurement ('' to skip)")
+    ap.add_argument("--json", metavar="OUT", help="write a JSON summary here")
+    args = ap.parse_args(argv)
+
+    t_start = time.time()
+    cfg, np_params, tokenizer = load_checkpoint(args.model)
+    target = Target.from_params(cfg, np_params, tokenizer, backend="reference")
+    specs = [DrafterSpec.parse(d) for d in args.drafters]
+    drafters = {s: create_drafter(s.name, target, s.k, **dict(s.params)) for s in specs}
+    summary = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
+               "command": " ".join(["python", "benchmarks/bench_speculative.py"]
+                                   + (argv if argv is not None else sys.argv[1:])),
+               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
+                           "load_avg_at_start": os.getloadavg()},
+               "n": args.n, "max_new_tokens": args.max_new_tokens, "rows": [], "transformers": [],
+               "loop_overhead": []}
+    print(f"# {cfg.name}; jax {jax.__version__}, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f}; "
+          f"n={args.n} prompts/subset, max_new_tokens={args.max_new_tokens}", flush=True)
+
+    for subset in args.subsets:
+        prompts = [tokenizer.encode_chat(text) for text in load_prompts(subset, args.n, args.data)]
+        mean_len = float(np.mean([len(p) for p in prompts]))
+        ar_b1 = None
+        for batch in args.batches:
+            groups = groups_of(prompts, batch)
+            ar_tokens, ar = run_ar(target, groups, args.max_new_tokens)
+            if batch == 1:
+                ar_b1 = ar_tokens
+            base = {"subset": subset, "batch": batch, "prompts": len(prompts), "mean_prompt_tokens": mean_len}
+            rows = [{**base, "method": "AR", **_row(ar, ar, ar_tokens, ar_tokens)}]
+            print(_line(rows[-1]), flush=True)
+            for spec in specs:
+                d = drafters[spec]
+                policy = spec.policy or DEFAULT_POLICY[d.kind]
+                tokens, m = run_spec(target, d, policy, groups, args.max_new_tokens)
+                rows.append({**base, "method": spec.label, "policy": policy, **_row(m, ar, tokens, ar_tokens)})
+                print(_line(rows[-1]), flush=True)
+            summary["rows"].extend(rows)
+        if not args.skip_transformers:
+            gguf = registry.resolve(args.model)
+            if gguf.suffix != ".gguf":
+                print("transformers' prompt lookup needs a .gguf model: skipped")
+            else:
+                if ar_b1 is None:
+                    ar_b1 = [generate(target, [p], max_new_tokens=args.max_new_tokens).tokens[0] for p in prompts]
+                hf_tokens, r = run_hf_prompt_lookup(str(gguf), prompts, args.max_new_tokens,
+                                                    tuple(cfg.eos_token_ids), args.hf_lookup_tokens,
+                                                    args.torch_threads)
+                ar1 = [row for row in summary["rows"] if row["subset"] == subset and row["batch"] == 1]
+                r.update(subset=subset, method=f"transformers prompt lookup ({args.hf_lookup_tokens})",
+                         batch=1, lossless=_same(hf_tokens, ar_b1))
+                r["beats"] = {row["method"]: row["tok_s_e2e"] > r["tok_s"] for row in ar1}
+                summary["transformers"].append(r)
+                print(f"{subset:9s} B=1 transformers prompt lookup: {r['tok_s']:.1f} tok/s (incl. prefill), "
+                      f"same as AR {r['lossless']}", flush=True)
+
+    if args.overhead:
+        spec = DrafterSpec.parse(args.overhead)
+        prompt = tokenizer.encode_chat(load_prompts("mt_bench", 1, args.data)[0])
+        for batch in args.batches:
+            r = loop_overhead(target, prompt, batch, spec, args.max_new_tokens)
+            summary["loop_overhead"].append(r)
+            print(f"loop overhead {r['drafter']} B={batch}: {r['loop_ms_per_round']:.2f} ms/round vs bare verify "
+                  f"{r['bare_verify_ms']:.2f} ms -> ratio {r['ratio']:.3f}", flush=True)
+
+    summary["wall_seconds"] = time.time() - t_start
+    summary["load_avg_at_end"] = os.getloadavg()
+    print_tables(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+        print(f"wrote {args.json}")
+    return summary
+
+
+def _same(a: list[list[int]], b: list[list[int]]) -> str:
+    return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+
+
+def _row(m, ar, tokens, ar_tokens) -> dict:
+    e2e = m.new_tokens / (m.decode_seconds + m.prefill_seconds)
+    return {"tau": m.tau, "acceptance_rate": m.acceptance_rate, "tok_s": m.tokens_per_second, "tok_s_e2e": e2e,
+            "speedup": speedup(ar, m), "lossless": _same(tokens, ar_tokens), "new_tokens": m.new_tokens,
+            "decode_s": m.decode_seconds, "prefill_s": m.prefill_seconds, "draft_s": m.draft_seconds,
+            "verify_s": m.verify_seconds, "acceptance_survival": m.acceptance_by_position()["survival"]}
+
+
+def _line(r: dict) -> str:
+    return (f"{r['subset']:9s} B={r['batch']} {r['method']:38s} tau {r['tau']:.2f}  {r['tok_s']:6.1f} tok/s "
+            f"({r['tok_s_e2e']:.1f} incl. prefill)  x{r['speedup']:.2f}  same as AR {r['lossless']}")
+
+
+def print_tables(s: dict) -> None:
+    print()
+    print(f"n={s['n']} prompts per subset, max_new_tokens={s['max_new_tokens']}, greedy; {s['date']}")
+    print()
+    print("| subset | B | method | tau | accept rate | tok/s | tok/s incl. prefill | speedup vs AR | "
+          "= AR (greedy) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in s["rows"]:
+        rate = "-" if r["method"] == "AR" else f"{r['acceptance_rate']:.2f}"
+        tau = "1.00" if r["method"] == "AR" else f"{r['tau']:.2f}"
+        print(f"| {r['subset']} | {r['batch']} | {r['method']} | {tau} | {rate} | {r['tok_s']:.1f} | "
+              f"{r['tok_s_e2e']:.1f} | {r['speedup']:.2f}x | {r['lossless']} |")
+    for r in s["transformers"]:
+        print(f"| {r['subset']} | 1 | {r['method']} | - | - | - | {r['tok_s']:.1f} | - | {r['lossless']} |")
+    if s["transformers"]:
+        print()
+        print("| subset | transformers prompt lookup tok/s | ours, tok/s incl. prefill (beats it?) |")
+        print("|---|---|---|")
+        for r in s["transformers"]:
+            ours = [row for row in s["rows"] if row["subset"] == r["subset"] and row["batch"] == 1
+                    and row["method"] != "AR"]
+            cells = ", ".join(f"{row['method']} {row['tok_s_e2e']:.1f} ({'yes' if r['beats'][row['method']] else 'no'})"
+                              for row in ours)
+            print(f"| {r['subset']} | {r['tok_s']:.1f} | {cells} |")
+    if s["loop_overhead"]:
+        print()
+        print("| compiled loop | B | rounds | ms/round (loop) | bare verify step ms | ratio (goal < 1.05) |")
+        print("|---|---|---|---|---|---|")
+        for r in s["loop_overhead"]:
+            print(f"| {r['drafter']} | {r['batch']} | {r['rounds']} | {r['loop_ms_per_round']:.2f} | "
+                  f"{r['bare_verify_ms']:.2f} | {r['ratio']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
