@@ -3,6 +3,10 @@
     specdec quickstart                      a small speculative-decoding experiment on the default model
     specdec generate "prompt" [options]     AR or speculative generation; prints the text and the metrics
     specdec models                          registered models and drafters
+    specdec run <config.yaml> [k=v ...]     one experiment: AR baseline vs the configured drafter
+    specdec sweep <sweep.yaml> [k=v ...]    every run of a sweep, then a combined report
+    specdec data <config.yaml> [k=v ...]    distillation data: the target's responses to the config's prompts
+    specdec train <config.yaml> [k=v ...]   train the config's drafter on that data (resumes when interrupted)
 """
 
 from __future__ import annotations
@@ -103,6 +107,122 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    from experiments.lossless import LosslessError
+    from experiments.run import main_run
+
+    try:
+        summary = main_run(args.config, args.overrides, progress=not args.no_progress)
+    except LosslessError as e:  # loud, with its own exit status
+        print(f"\nERROR: {e}", file=sys.stderr)
+        return 3
+    return 0 if summary.get("status") == "complete" else 1
+
+
+def cmd_sweep(args) -> int:
+    from experiments.sweep import SweepError, run_sweep
+
+    command = " ".join(["specdec", "sweep", args.sweep, *args.overrides]
+                       + [f"--only '{p}'" for p in args.only or ()])
+    try:
+        run_sweep(args.sweep, args.overrides, progress=not args.no_progress, command=command, only=args.only or ())
+    except SweepError as e:
+        print(f"\nERROR: {e}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _summary_lines(summary: dict, keys) -> str:
+    width = max(len(k) for k in keys)
+    return "\n".join(f"  {k:<{width}}  {summary[k]}" for k in keys if summary.get(k) is not None)
+
+
+def cmd_data(args) -> int:
+    """Prompts of `data.datasets` (files, hub names, or `name: self` = written by the target) -> the target's
+    responses under `train.data_dir` (sampling: `sampling`; length and batch: `generation`)."""
+    from pathlib import Path
+
+    from experiments.build import build_target
+    from specdec.config import load_config
+    from specdec.train.data import (SELF_PROMPTS, build_distill_data, load_prompt_records,
+                                    self_generated_prompts)
+
+    cfg = load_config(args.config, args.overrides)
+    tc = cfg.train
+    if not tc.data_dir:
+        raise ValueError("train.data_dir: set the directory the distillation data is written to")
+    print(f"loading target {cfg.model.name} ...", flush=True)
+    target = build_target(cfg.model)
+    sampling = cfg.sampling.to_params()
+    gen = cfg.generation
+    prompts = []
+    for ds in cfg.data.datasets:
+        if ds.name == SELF_PROMPTS:
+            prompts += self_generated_prompts(
+                target, ds.limit or 64, sampling=sampling, seed=cfg.sampling.seed,
+                max_new_tokens=min(gen.max_new_tokens, 128), batch_size=gen.batch_size,
+                progress=not args.no_progress, cache_path=Path(tc.data_dir) / "self_prompts.jsonl")
+        else:
+            prompts += load_prompt_records(ds.name, split=ds.split, field=ds.field, limit=ds.limit)
+    max_prompt = tc.seq_len - gen.max_new_tokens if tc.seq_len > gen.max_new_tokens else tc.seq_len // 2
+    print(f"{len(prompts)} prompts -> responses of up to {gen.max_new_tokens} tokens "
+          f"(temperature {sampling.temperature}, batch {gen.batch_size}) into {tc.data_dir}", flush=True)
+    summary = build_distill_data(target, prompts, tc.data_dir, sampling=sampling, seed=cfg.sampling.seed,
+                                 max_new_tokens=gen.max_new_tokens, batch_size=gen.batch_size,
+                                 shard_size=tc.shard_size, chat_template=cfg.data.chat_template,
+                                 max_prompt_len=max_prompt, progress=not args.no_progress)
+    print("\ndistillation data:")
+    print(_summary_lines(summary, ["data_dir", "prompts", "skipped_prompts", "examples", "prompt_tokens",
+                                   "response_tokens", "stopped_at_eos", "seconds", "generate_tokens_per_second"]))
+    return 0
+
+
+def cmd_train(args) -> int:
+    """Train `drafter.name` with `train.*` (options: train.drafter_options) on `train.data_dir`; the run goes to
+    <output.dir>/<output.name or the config's stem>/ and resumes from its checkpoints when rerun."""
+    from pathlib import Path
+
+    import drafters
+    from experiments.build import build_target
+    from experiments.tracking import make_tracker
+    from specdec.config import load_config, to_dict
+    from specdec.train.data import load_distill_data
+    from specdec.train.loop import TrainingDiverged, train
+    from specdec.train.tasks import make_task
+
+    cfg = load_config(args.config, args.overrides)
+    if not cfg.train.data_dir:
+        raise ValueError("train.data_dir: set the distillation data directory (made by `specdec data`)")
+    name = cfg.output.name or Path(args.config).stem
+    run_dir = Path(cfg.output.dir) / name
+    data = load_distill_data(cfg.train.data_dir)
+    print(f"loading target {cfg.model.name} ...", flush=True)
+    target = build_target(cfg.model)
+    drafters.available()  # drafter modules register their training tasks on import
+    task = make_task(cfg.drafter.name, target, cfg.train.drafter_options)
+    tracker = make_tracker(cfg.tracking, run_name=name, out_dir=run_dir, config=to_dict(cfg))
+    try:
+        summary = train(task, target, data, cfg.train, run_dir, tracker=tracker, progress=not args.no_progress,
+                        full_config=to_dict(cfg), eval_draft_len=cfg.drafter.num_draft_tokens)
+    except TrainingDiverged as e:
+        print(f"\nERROR: {e}", file=sys.stderr)
+        return 3
+    finally:
+        tracker.finish()
+    first, final = summary["first_eval"], summary["final_eval"]
+    print(f"\n{task.name} trained for {summary['steps']} steps in {summary['seconds']} s -> {run_dir}")
+    print(_summary_lines(summary, ["trainable_parameters", "train_examples", "eval_examples",
+                                   "train_tokens_per_second", "bytes_per_token_cached"]))
+    if final:
+        was = (lambda key: f"{first[key]:.4f} -> ") if first else (lambda key: "")
+        print(f"  held-out loss            {was('loss')}{final['loss']:.4f}")
+        print(f"  expected tau (k={final['draft_len']}, T=1) {was('expected_tau')}{final['expected_tau']:.4f}")
+        print(f"  greedy tau               {was('greedy_tau')}{final['greedy_tau']:.4f}")
+        print(f"  acceptance by step       {final['acceptance_by_step']}")
+    print(f"  use it: drafter.name={task.name} drafter.path={run_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding research framework (JAX)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +253,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list registered models, drafters and policies")
     m.set_defaults(func=cmd_models)
+
+    r = sub.add_parser("run", help="run an experiment config (AR baseline vs drafter; records, summary, plots)",
+                       description="Run one experiment. Outputs go to <output.dir>/<output.name>/ (output.name "
+                                   "defaults to the config file's stem); an interrupted run resumes where it "
+                                   "stopped, a finished one is not re-run.")
+    r.add_argument("config", help="experiment YAML file (e.g. configs/experiments/headline.yaml)")
+    r.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    r.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("sweep", help="run every run of a sweep file, then write the combined report",
+                       description="Run a sweep (grid and/or list of runs). Each run gets its own directory under "
+                                   "<output.dir>/<sweep name>/; finished runs are skipped; report.md and the plots "
+                                   "land in the sweep directory.")
+    s.add_argument("sweep", help="sweep YAML file (e.g. configs/sweeps/headline.yaml)")
+    s.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides applied to every run")
+    s.add_argument("--only", action="append", metavar="PATTERN",
+                   help="run only the runs whose name matches this shell pattern (repeatable); the report still "
+                        "covers every finished run")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.set_defaults(func=cmd_sweep)
+
+    d = sub.add_parser("data", help="generate distillation data: the target's responses to the config's prompts",
+                       description="Prompts from data.datasets (.jsonl/.json/.csv, hub names, or `name: self` for "
+                                   "prompts written by the target), responses from the target (sampling, "
+                                   "generation.max_new_tokens / batch_size) stored under train.data_dir as a "
+                                   "`datasets` dataset. Rerunning resumes: finished shards are kept.")
+    d.add_argument("config", help="training YAML file (e.g. configs/train/eagle3.yaml)")
+    d.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d.set_defaults(func=cmd_data)
+
+    t = sub.add_parser("train", help="train a drafter (eagle3, medusa, distilled_lm) on distillation data",
+                       description="Train drafter.name on train.data_dir with train.* settings; checkpoints, "
+                                   "metrics and the exported drafter go to <output.dir>/<output.name>/. Rerunning "
+                                   "resumes exactly from the latest checkpoint. Use the result with "
+                                   "drafter.path=<run dir>.")
+    t.add_argument("config", help="training YAML file (e.g. configs/train/eagle3.yaml)")
+    t.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.set_defaults(func=cmd_train)
     return parser
 
 
@@ -143,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

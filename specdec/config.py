@@ -185,10 +185,11 @@ class DatasetConfig:
     field: str | None = None  # prompt field; None: known layouts (MT-Bench, GSM8K, ...) are detected
     limit: int | None = None  # first N prompts; None = all
     category: str | None = None  # label used to group results ("code", "math", ...)
+    per_category: int | None = None  # first N prompts of each of the records' own categories (before limit)
 
     def __post_init__(self):
         _require(bool(self.name), "name", "must not be empty")
-        _at_least(self, 1, "limit")
+        _at_least(self, 1, "limit", "per_category")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,10 +245,20 @@ class TrainConfig:
     keep_checkpoints: int = 3
     eval_every: int = 250
     seq_len: int = 512
-    data_dir: str | None = None
+    data_dir: str | None = None  # distillation data: written by `specdec data`, read by `specdec train`
+    seed: int = 0  # parameter init, data order and training rng
+    drafter_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # architecture/loss options of the drafter's trainer
+    eval_examples: int = 64  # held-out examples (by id hash) for eval loss and teacher-forced expected tau
+    log_every: int = 10
+    features: Literal["online", "cached"] = "online"  # target taps computed in the step, or cached on disk
+    features_dir: str | None = None  # feature cache location; None: under data_dir/features/
+    features_dtype: Literal["float16", "float32"] = "float16"
+    shard_size: int = 64  # `specdec data`: prompts per stored shard (the unit of resumption)
 
     def __post_init__(self):
-        _at_least(self, 1, "steps", "batch_size", "checkpoint_every", "keep_checkpoints", "eval_every", "seq_len")
+        _at_least(self, 1, "steps", "batch_size", "checkpoint_every", "keep_checkpoints", "eval_every", "seq_len",
+                  "log_every", "shard_size")
+        _at_least(self, 0, "eval_examples")
         _at_least(self, 0, "weight_decay", "clip_norm")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr!r}")
         _require(0 <= self.warmup_frac < 1, "warmup_frac", f"must be in [0, 1), got {self.warmup_frac!r}")

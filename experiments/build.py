@@ -1,0 +1,150 @@
+"""From config sections to live objects: the target, its text codec, the drafter and the policy name.
+
+`model.name: tiny` is the random two-layer test model (`specdec.models.config.tiny_config`, vocabulary 256),
+which has no tokenizer; `ByteCodec` gives it a deterministic byte-level one: token id = UTF-8 byte value.
+Ids 0-2 double as the tiny model's special tokens (unk, bos, eos); those control bytes never occur in text
+and are dropped when decoding. No chat template.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Sequence
+
+from specdec.config import ExperimentConfig, TargetConfig, VerifyConfig
+from specdec.target import Target
+
+TINY_NAMES = ("tiny",)
+TINY_WEIGHT_SCALE = 0.35  # peaky random logits, so greedy text repeats and lookup drafters get accepted
+CHAIN_TO_TREE = {"greedy_chain": "greedy_tree", "rejection_chain": "multidraft_tree"}
+
+
+class ByteCodec:
+    """Text <-> token ids for models without a tokenizer: one token per UTF-8 byte."""
+
+    chat_template = None
+    specials = (0, 1, 2)
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 2 < int(i) < 256).decode("utf-8", errors="replace")
+
+
+class TokenizerCodec:
+    """Text <-> token ids through the model's tokenizer; `chat=True` applies its chat template."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        if chat and self.tokenizer.chat_template:
+            return self.tokenizer.encode_chat(text)
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def codec_for(target: Target):
+    return TokenizerCodec(target.tokenizer) if target.tokenizer is not None else ByteCodec()
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_target(name: str, dtype: str, backend: str, seed: int) -> Target:
+    if name in TINY_NAMES:
+        from specdec.models.config import tiny_config
+        from specdec.target import random_target
+
+        return random_target(tiny_config(dtype=dtype), seed=seed, backend=backend, scale=TINY_WEIGHT_SCALE)
+    from specdec.target import load_target
+
+    return load_target(name, backend=backend, dtype=dtype)
+
+
+def build_target(cfg: TargetConfig) -> Target:
+    """The target of `model:`; loaded once per process for the same (name, dtype, backend, seed) (sweeps)."""
+    return _cached_target(cfg.name, cfg.dtype, cfg.backend, cfg.seed if cfg.name in TINY_NAMES else 0)
+
+
+def drafter_params(cfg: ExperimentConfig, accepted: Sequence[str]) -> dict:
+    """`drafter.params`, plus the tree shape of `verify.tree` mapped onto the drafter's own parameters."""
+    params = dict(cfg.drafter.params)
+    tree = cfg.verify.tree
+    if tree is None:
+        return params
+    name = cfg.drafter.name
+    if tree.dynamic is not None:
+        if not {"tree_top_k", "tree_depth"} <= set(accepted):
+            raise ValueError(f"verify.tree.dynamic: drafter {name!r} does not grow dynamic trees (it has no "
+                             f"tree_top_k/tree_depth parameters); drafters that do: self_spec, draft_lm")
+        for key, value in (("tree_top_k", tree.dynamic.top_k), ("tree_depth", tree.dynamic.depth)):
+            if key in params and params[key] != value:
+                raise ValueError(f"drafter.params.{key}={params[key]} contradicts verify.tree.dynamic ({value})")
+            params[key] = value
+    else:
+        key = next((k for k in ("tree_paths", "paths", "tree") if k in accepted), None)
+        if key is None:
+            raise ValueError(f"verify.tree.paths: drafter {name!r} does not take a static tree shape "
+                             f"(its parameters: {', '.join(accepted) or 'none'})")
+        params[key] = [list(p) for p in tree.paths]
+    return params
+
+
+def num_draft_tokens(cfg: ExperimentConfig) -> int:
+    """The node budget: `verify.tree.dynamic.num_nodes` for a dynamic tree, else `drafter.num_draft_tokens`."""
+    tree = cfg.verify.tree
+    return tree.dynamic.num_nodes if tree is not None and tree.dynamic is not None else cfg.drafter.num_draft_tokens
+
+
+def build_drafter(cfg: ExperimentConfig, target: Target):
+    """(drafter, the parameters it was built with)."""
+    import drafters
+    from drafters import create_drafter
+
+    drafters._load_all()
+    factory = drafters._FACTORIES.get(cfg.drafter.name)
+    if factory is None:
+        raise ValueError(f"drafter.name: unknown drafter {cfg.drafter.name!r}; available: "
+                         f"{', '.join(drafters.available())}")
+    accepted = [p for p in inspect.signature(factory).parameters if p not in ("target", "num_draft_tokens")]
+    params = drafter_params(cfg, accepted)
+    if cfg.drafter.path is not None:
+        if "path" not in accepted and "checkpoint" not in accepted:
+            raise ValueError(f"drafter.path: drafter {cfg.drafter.name!r} takes no checkpoint")
+        params["path" if "path" in accepted else "checkpoint"] = cfg.drafter.path
+    return create_drafter(cfg.drafter.name, target, num_draft_tokens(cfg), **params), params
+
+
+def effective_policy(verify: VerifyConfig, drafter) -> tuple[str, str | None]:
+    """The policy to run and a note when it differs from the config: a chain policy on a tree drafter runs
+    as its tree counterpart (greedy_chain -> greedy_tree, rejection_chain -> multidraft_tree; same rule)."""
+    from specdec.verify.typical import DEFAULT_DELTA, DEFAULT_EPSILON
+
+    policy = verify.policy
+    if policy == "typical" and (verify.eps != DEFAULT_EPSILON or verify.delta != DEFAULT_DELTA):
+        raise ValueError(f"verify.eps/verify.delta: the engine runs typical acceptance with its defaults "
+                         f"(eps={DEFAULT_EPSILON}, delta={DEFAULT_DELTA}); other values are not supported yet")
+    if drafter.kind == "tree" and policy in CHAIN_TO_TREE:
+        return CHAIN_TO_TREE[policy], f"{policy} on the tree drafter {drafter.name!r} runs as {CHAIN_TO_TREE[policy]}"
+    return policy, None
+
+
+def drafter_label(drafter, params: dict) -> str:
+    """A short, stable name for tables: ngram(k=5), suffix(k=8,max_depth=8), self_spec(k=4,num_layers=24)."""
+    extra = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
+    return f"{drafter.name}(k={drafter.num_draft_tokens}{',' + extra if extra else ''})"
+
+
+def check_supported(cfg: ExperimentConfig) -> None:
+    """Config values the runner cannot honour yet are errors, not silently ignored."""
+    if cfg.scheduler.kind != "fixed":
+        raise ValueError(f"scheduler.kind: {cfg.scheduler.kind!r} is not wired into the engine yet; use 'fixed'")
+    if cfg.mesh.data * cfg.mesh.model > 1:
+        raise ValueError("mesh: multi-device runs are not supported by `specdec run` yet; use data=1, model=1")

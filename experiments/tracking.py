@@ -1,0 +1,148 @@
+"""Experiment trackers: one interface, three implementations.
+
+    tracker = make_tracker(cfg.tracking, run_name="quickstart", out_dir=Path("runs/quickstart"), config=cfg_dict)
+    tracker.log_metrics({"tau": 2.1}); tracker.log_summary(summary); tracker.log_table("records", cols, rows)
+    tracker.log_image("acceptance_by_position", "runs/quickstart/acceptance_by_position.png"); tracker.finish()
+
+- `WandbTracker`: Weights & Biases, offline by default (`tracking.mode`); runs land in
+  `<tracking.dir or the run's output dir>/wandb/offline-run-*` and `wandb sync` uploads them later. Project,
+  group and tags come from the config.
+- `MemoryTracker`: keeps everything in Python lists (tests inspect it).
+- `NullTracker`: drops everything.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from specdec.config import TrackingConfig
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """Nested dicts -> {"a/b": v}; lists of numbers are kept (W&B shows them as JSON in the summary)."""
+    out = {}
+    for key, value in d.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            out.update(_flatten(value, name))
+        else:
+            out[name] = value
+    return out
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class Tracker:
+    """The interface every experiment logs through."""
+
+    def log_config(self, config: dict) -> None: ...
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None: ...
+
+    def log_summary(self, summary: dict) -> None: ...
+
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None: ...
+
+    def log_image(self, name: str, path: str | Path) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.finish()
+        return False
+
+
+class NullTracker(Tracker):
+    pass
+
+
+class MemoryTracker(Tracker):
+    """Everything logged, in memory. `finished` says whether `finish` was called."""
+
+    def __init__(self, name: str = "", group: str | None = None, tags: Sequence[str] = ()):
+        self.name, self.group, self.tags = name, group, tuple(tags)
+        self.config: dict = {}
+        self.metrics: list[tuple[int | None, dict]] = []
+        self.summary: dict = {}
+        self.tables: dict[str, tuple[list[str], list[list[Any]]]] = {}
+        self.images: dict[str, str] = {}
+        self.finished = False
+
+    def log_config(self, config):
+        self.config.update(config)
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_summary(self, summary):
+        self.summary.update(summary)
+
+    def log_table(self, name, columns, rows):
+        self.tables[name] = (list(columns), [list(r) for r in rows])
+
+    def log_image(self, name, path):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"image {path} does not exist")
+        self.images[name] = str(path)
+
+    def finish(self):
+        self.finished = True
+
+
+class WandbTracker(Tracker):
+    """A W&B run. `mode="offline"` (the default) needs no account and no network."""
+
+    def __init__(self, *, project: str, name: str, group: str | None = None, tags: Sequence[str] = (),
+                 mode: str = "offline", dir: str | Path = ".", config: dict | None = None):
+        import wandb
+
+        self._wandb = wandb
+        Path(dir).mkdir(parents=True, exist_ok=True)
+        # console="off": W&B does not wrap stdout/stderr (progress bars and tables stay as they are)
+        self.run = wandb.init(project=project, name=name, group=group, tags=list(tags) or None, mode=mode,
+                              dir=str(dir), config=config or {}, reinit="create_new",
+                              settings=wandb.Settings(console="off", silent=True))
+        self.dir = Path(self.run.dir).parent  # .../wandb/offline-run-*/
+
+    def log_config(self, config):
+        self.run.config.update(config, allow_val_change=True)
+
+    def log_metrics(self, metrics, step=None):
+        self.run.log({k: _clean(v) for k, v in _flatten(metrics).items()}, step=step)
+
+    def log_summary(self, summary):
+        for key, value in _flatten(summary).items():
+            self.run.summary[key] = _clean(value)
+
+    def log_table(self, name, columns, rows):
+        self.run.log({name: self._wandb.Table(columns=list(columns), data=[[_clean(v) for v in r] for r in rows])})
+
+    def log_image(self, name, path):
+        self.run.log({name: self._wandb.Image(str(path))})
+
+    def finish(self):
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def make_tracker(cfg: TrackingConfig, *, run_name: str, out_dir: Path, config: dict | None = None) -> Tracker:
+    """The tracker a config asks for; W&B files go to `tracking.dir` or else the run's output directory."""
+    if cfg.backend == "none":
+        return NullTracker()
+    if cfg.backend == "memory":
+        tracker = MemoryTracker(run_name, cfg.group, cfg.tags)
+        if config:
+            tracker.log_config(config)
+        return tracker
+    return WandbTracker(project=cfg.project, name=run_name, group=cfg.group, tags=cfg.tags, mode=cfg.mode,
+                        dir=Path(cfg.dir) if cfg.dir else out_dir, config=config)

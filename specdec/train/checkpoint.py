@@ -1,0 +1,192 @@
+"""Checkpoints: orbax training states (for exact resume) and the exported drafter (for decoding).
+
+Training run directory (`<output.dir>/<output.name>/`):
+    config.yaml            the full experiment config of the run
+    drafter.json           {"drafter": name, "config": the drafter's settings, "target": what it was trained on}
+    params.npz             exported weights: "params/..." (trained) and "buffers/..." (saved non-trainable arrays)
+    checkpoints/<step>/    orbax: {"state": params, buffers, optimiser state, step, rng; "meta": data position}
+    metrics.jsonl, summary.json
+
+`load_drafter(path)` accepts such a run directory (params.npz if the run exported, else the latest orbax
+checkpoint: an unfinished run is usable too) or any directory holding drafter.json + params.npz.
+Missing or unreadable checkpoints raise `CheckpointError` with the path and what was found there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+DRAFTER_FILE = "drafter.json"
+PARAMS_FILE = "params.npz"
+CHECKPOINTS = "checkpoints"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, empty or unreadable."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Orbax training checkpoints
+# ---------------------------------------------------------------------------------------------------------
+
+class CheckpointStore:
+    """Training states under `directory`, one orbax step directory each, keeping the newest `keep`."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, create: bool = True):
+        import orbax.checkpoint as ocp
+
+        self.dir = Path(directory).absolute()
+        if not create and not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        if self.dir.exists() and not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint path {self.dir} is a file, not a directory")
+        self._ocp = ocp
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=False)
+        self.mgr = ocp.CheckpointManager(self.dir, options=options)
+
+    def steps(self) -> list[int]:
+        return sorted(self.mgr.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        ocp = self._ocp
+        self.mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                      force=True)
+        self.mgr.wait_until_finished()
+
+    def restore(self, step: int | None = None, like: Any = None) -> tuple[Any, dict]:
+        """(state, meta) at `step` (default: the latest). `like`: a pytree with the expected structure, shapes
+        and dtypes (restores exactly those; without it the saved tree comes back as saved)."""
+        ocp = self._ocp
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoints in {self.dir}")
+        abstract = None if like is None else jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        try:
+            out = self.mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                 meta=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax raises many types for truncated / mismatched / foreign directories
+            others = [s for s in self.steps() if s != step]
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.dir} cannot be restored ({type(e).__name__}: {str(e)[:300]})"
+                + (f"; other steps there: {others} (delete the broken step directory to resume from them)"
+                   if others else "")) from None
+        return out["state"], dict(out["meta"])
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exported drafter: drafter.json + params.npz
+# ---------------------------------------------------------------------------------------------------------
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if "/" in str(k):
+                raise ValueError(f"parameter name {k!r} contains '/'")
+            out.update(flatten(v, f"{prefix}/{k}" if prefix else str(k)))
+    elif tree is None:
+        pass
+    else:
+        out[prefix] = np.asarray(tree)
+    return out
+
+
+def unflatten(flat: dict[str, np.ndarray]) -> dict:
+    tree: dict = {}
+    for key, value in flat.items():
+        node = tree
+        *parents, last = key.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return tree
+
+
+def write_drafter_config(run_dir: str | os.PathLike, name: str, config: dict, target_info: dict) -> None:
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / DRAFTER_FILE).write_text(json.dumps({"drafter": name, "config": config, "target": target_info},
+                                                indent=2))
+
+
+def export_params(run_dir: str | os.PathLike, params: Any, buffers: Any, step: int) -> Path:
+    """Write params.npz atomically (a killed export never leaves a half file)."""
+    path = Path(run_dir) / PARAMS_FILE
+    flat = {f"params/{k}": v for k, v in flatten(jax.device_get(params)).items()}
+    flat.update({f"buffers/{k}": v for k, v in flatten(jax.device_get(buffers)).items()})
+    flat["step"] = np.asarray(step)
+    tmp = path.with_name("params.partial.npz")
+    np.savez(tmp, **flat)
+    os.replace(tmp, path)
+    return path
+
+
+def load_drafter(path: str | os.PathLike, expect_name: str | None = None) -> dict:
+    """{"drafter", "config", "target", "params", "buffers", "step", "source"} of a trained drafter."""
+    p = Path(os.path.expanduser(str(path)))
+    if not p.exists():
+        raise CheckpointError(f"drafter checkpoint {p} does not exist")
+    if not (p / DRAFTER_FILE).is_file():
+        found = sorted(x.name for x in p.iterdir())[:10] if p.is_dir() else "a file"
+        raise CheckpointError(f"{p} is not a trained drafter: no {DRAFTER_FILE} (found: {found}); pass a training "
+                              "run directory (output.dir/output.name) or an exported drafter directory")
+    try:
+        info = json.loads((p / DRAFTER_FILE).read_text())
+        name, config, target = info["drafter"], info["config"], info.get("target", {})
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{p / DRAFTER_FILE} is corrupt ({type(e).__name__}: {e})") from None
+    if expect_name is not None and name != expect_name:
+        raise CheckpointError(f"{p} holds a {name!r} drafter, not {expect_name!r}")
+    if (p / PARAMS_FILE).is_file():
+        try:
+            with np.load(p / PARAMS_FILE) as z:
+                flat = {k: z[k] for k in z.files}
+        except Exception as e:
+            raise CheckpointError(f"{p / PARAMS_FILE} cannot be read ({type(e).__name__}: {e})") from None
+        tree = unflatten({k: v for k, v in flat.items() if k != "step"})
+        step, source = int(flat.get("step", -1)), str(p / PARAMS_FILE)
+        params, buffers = tree.get("params", {}), tree.get("buffers", {})
+    elif (p / CHECKPOINTS).is_dir():
+        store = CheckpointStore(p / CHECKPOINTS, create=False)
+        state, meta = store.restore()
+        store.close()
+        params, buffers, step = state["params"], state.get("buffers", {}), int(meta["step"])
+        source = f"{p / CHECKPOINTS} (step {step})"
+    else:
+        raise CheckpointError(f"{p} has {DRAFTER_FILE} but no weights ({PARAMS_FILE} or {CHECKPOINTS}/)")
+    return {"drafter": name, "config": config, "target": target, "params": params, "buffers": buffers or {},
+            "step": step, "source": source}
+
+
+def check_target(info: dict, target, where: str) -> None:
+    """A drafter trained on one target cannot serve another of a different shape."""
+    want = info.get("target", {})
+    have = target_info(target)
+    bad = [k for k in ("hidden_size", "vocab_size", "num_layers") if k in want and want[k] != have[k]]
+    if bad:
+        raise CheckpointError(f"{where} was trained on a target with " + ", ".join(f"{k}={want[k]}" for k in bad)
+                              + "; this target has " + ", ".join(f"{k}={have[k]}" for k in bad))
+
+
+def target_info(target) -> dict:
+    cfg = target.cfg
+    return {"name": cfg.name, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+            "num_layers": cfg.num_layers}
+
+
+def remove_run(run_dir: str | os.PathLike) -> None:
+    shutil.rmtree(run_dir, ignore_errors=True)

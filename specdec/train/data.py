@@ -1,0 +1,467 @@
+"""Distillation data: prompts -> the target's own responses, stored as a `datasets` dataset on disk.
+
+    prompts = load_prompt_records("../shared/data/prompts/train_prompts.jsonl", limit=300)
+    # or: prompts = self_generated_prompts(target, 200, sampling, seed=0)   (no data needed at all)
+    summary = build_distill_data(target, prompts, "data/smollm2", sampling=SamplingParams(0.7), ...)
+    data = load_distill_data("data/smollm2")                    # -> DistillData (numpy, in memory)
+
+Prompt sources (`load_prompt_records`): a .jsonl / .json / .csv file (the prompt is `field`, or the first of
+prompt / instruction (+ input) / question / text / turns[0]), or a Hugging Face `datasets` name; with the hub
+unreachable (HF_DATASETS_OFFLINE, no network) that fails at once with a `DataError` naming the dataset.
+`self_generated_prompts` lets the (instruct) target write the user turns itself: it is given only the chat
+template's user prefix (`<|im_start|>system ... <|im_start|>user\n` for ChatML) and samples until it ends the
+turn. A target without a tokenizer (the random test models) gets prompts as UTF-8 byte ids.
+
+Responses come from the compiled AR decoding of `specdec.generate` (its prefill + decode loop, with one prompt
+width and cache size for the whole run so that a single program serves every batch), sampling settings from
+the config. One example = prompt ids + response ids (EOS included when the target stopped), with `loss_mask` 1
+over the response only. Storage: `<out>/shards/shard_NNNNN/` (each a `save_to_disk` dataset, written to a
+temporary name and renamed when complete) plus `<out>/manifest.json` (settings and the prompt fingerprint). A
+rerun with the same settings skips finished shards, so an interrupted run resumes; other settings are an error.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from specdec.generate import PROMPT_BUCKET, check_fits
+from specdec.sampling import SamplingParams
+
+SELF_PROMPTS = "self"  # data.datasets name meaning "the target writes the prompts"
+PROMPT_FIELDS = ("prompt", "instruction", "question", "text", "input", "query")
+FILE_SUFFIXES = (".jsonl", ".json", ".csv")
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class DataError(ValueError):
+    """Distillation data that cannot be loaded or built; the message says what to do."""
+
+
+@dataclasses.dataclass
+class PromptRecord:
+    id: str
+    source: str
+    text: str | None = None  # the user message (chat-templated when the target has a template)
+    tokens: list[int] | None = None  # or ready token ids (used as they are)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prompt sources
+# ---------------------------------------------------------------------------------------------------------
+
+def _record_text(record: dict, field: str | None, where: str) -> str:
+    if field is not None:
+        if field not in record:
+            raise DataError(f"{where}: field {field!r} not found; the records have fields {sorted(record)}")
+        value = record[field]
+        return str(value[0] if isinstance(value, list) and value else value)
+    if isinstance(record.get("turns"), list) and record["turns"]:
+        return str(record["turns"][0])
+    for name in PROMPT_FIELDS:
+        if isinstance(record.get(name), str) and record[name].strip():
+            text = record[name]
+            if name == "instruction" and isinstance(record.get("input"), str) and record["input"].strip():
+                text = f"{text}\n\n{record['input']}"
+            return text
+    raise DataError(f"{where}: cannot tell which field holds the prompt (fields: {sorted(record)}); set `field`")
+
+
+def _read_file(path: Path, split: str | None) -> list[dict]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        out = []
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+        return out
+    if suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+        if isinstance(data, dict):
+            key = split if split in data else ("data" if "data" in data else None)
+            if key is None:
+                raise DataError(f"{path}: expected a list of records (or one under the split name / 'data'); "
+                                f"found keys {sorted(data)}")
+            data = data[key]
+        if not isinstance(data, list):
+            raise DataError(f"{path}: expected a list of records, got {type(data).__name__}")
+        return data
+    if suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as f:
+            return list(csv.DictReader(f))
+    raise DataError(f"{path}: unsupported file type {suffix!r}; use one of {', '.join(FILE_SUFFIXES)}")
+
+
+def _read_hub(name: str, split: str | None) -> list[dict]:
+    repo, _, config = name.partition(":")
+    hint = ("pass a local .jsonl/.json/.csv path instead (export the dataset on a machine with network access, "
+            "e.g. `datasets.load_dataset(...).to_json('prompts.jsonl')`)")
+    flags = ("1", "true", "yes", "on")
+    if os.environ.get("HF_DATASETS_OFFLINE", "").lower() in flags or os.environ.get("HF_HUB_OFFLINE", "").lower() in flags:
+        raise DataError(f"prompt dataset {name!r} is a Hugging Face hub name, but the hub is offline "
+                        f"(HF_DATASETS_OFFLINE / HF_HUB_OFFLINE is set); {hint}")
+    try:
+        import datasets
+        ds = datasets.load_dataset(repo, config or None, split=split or "train")
+    except Exception as e:  # offline, no network, unknown name, missing split
+        raise DataError(f"prompt dataset {name!r} could not be loaded from the Hugging Face hub "
+                        f"({type(e).__name__}: {str(e)[:200]}); {hint}") from None
+    return [dict(r) for r in ds]
+
+
+def load_prompt_records(name: str, *, split: str | None = None, field: str | None = None,
+                        limit: int | None = None) -> list[PromptRecord]:
+    """Prompts from a local file (by suffix) or a `datasets` hub name ("owner/name[:config]")."""
+    if name == SELF_PROMPTS:
+        raise DataError(f"{SELF_PROMPTS!r} prompts are written by the target: use self_generated_prompts")
+    expanded = os.path.expanduser(os.path.expandvars(name))
+    unset = re.findall(r"\$\{?([A-Za-z_]\w*)", expanded)
+    if unset:
+        raise DataError(f"prompt source {name!r} uses ${unset[0]}, which is not set; export it (e.g. "
+                        f"export {unset[0]}=/path/to/data) or write the path out")
+    path = Path(expanded)
+    if expanded.lower().endswith(FILE_SUFFIXES) or path.exists():
+        if not path.is_file():
+            raise DataError(f"prompt file not found: {path}")
+        records, where, label = _read_file(path, split), str(path), path.stem
+    else:
+        records, where, label = _read_hub(name, split), name, name.rsplit("/", 1)[-1]
+    out = []
+    for i, record in enumerate(records):
+        if limit is not None and len(out) >= limit:
+            break
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: record {i} is a {type(record).__name__}, not an object")
+        rid = next((str(record[k]) for k in ("id", "question_id", "task_id") if k in record), f"{label}-{i}")
+        out.append(PromptRecord(id=rid, source=str(record.get("source", label)),
+                                text=_record_text(record, field, f"{where} record {i}")))
+    if not out:
+        raise DataError(f"{where}: no prompts")
+    return out
+
+
+def user_turn_prefix(tokenizer) -> str:
+    """The chat template rendered up to where the user's message begins (system prompt included)."""
+    marker = "\x00SPECDEC_USER\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False)
+    if marker not in text:
+        raise DataError("the chat template does not render the user message; cannot find its user prefix")
+    return text.split(marker)[0]
+
+
+def encode_prompt(target, record: PromptRecord, chat_template: bool) -> list[int]:
+    if record.tokens is not None:
+        return list(record.tokens)
+    tok = target.tokenizer
+    if tok is None:  # random test models: UTF-8 bytes as ids (the experiments' ByteCodec convention)
+        ids = list(record.text.encode("utf-8"))
+        if max(ids, default=0) >= target.cfg.vocab_size:
+            raise DataError(f"target has no tokenizer and vocabulary {target.cfg.vocab_size} < 256: cannot "
+                            "byte-encode text prompts")
+        return ids
+    if chat_template and tok.chat_template:
+        return tok.encode_chat(record.text)
+    return tok.encode(record.text)
+
+
+def self_generated_prompts(target, num_prompts: int, *, sampling: SamplingParams, seed: int = 0,
+                           max_new_tokens: int = 96, batch_size: int = 8, progress: bool = False,
+                           cache_path: str | os.PathLike | None = None) -> list[PromptRecord]:
+    """User turns written by the target itself from the chat template's user prefix (no data needed).
+
+    Each is sampled until the target ends the turn (EOS) or `max_new_tokens`; empty turns are dropped, so
+    fewer than `num_prompts` may come back. Without a tokenizer the prefix is the BOS token and the prompt is
+    kept as token ids. With `cache_path` (a .jsonl) the prompts are stored there and reused by later calls
+    with the same settings, so a resumed `specdec data` sees the very same prompts."""
+    from specdec.generate import generate
+
+    settings = {"num_prompts": num_prompts, "sampling": dataclasses.asdict(sampling), "seed": seed,
+                "max_new_tokens": max_new_tokens, "batch_size": batch_size, "target": target.cfg.name}
+    if cache_path is not None and Path(cache_path).is_file():
+        lines = Path(cache_path).read_text().splitlines()
+        if lines and json.loads(lines[0]) == {"settings": settings}:
+            return [PromptRecord(**json.loads(line)) for line in lines[1:]]
+
+    if sampling.greedy:
+        raise DataError("self-generated prompts need sampling (temperature > 0): greedy decoding writes the same "
+                        "user turn every time")
+    tok = target.tokenizer
+    if tok is not None and tok.chat_template:
+        prefix = tok.encode(user_turn_prefix(tok))
+    else:
+        bos = target.cfg.bos_token_id
+        prefix = [bos if bos is not None else 1]
+    eos = set(target.eos_token_ids)
+    out: list[PromptRecord] = []
+    bar = _progress(num_prompts, "self-generated prompts", progress)
+    for b, start in enumerate(range(0, num_prompts, batch_size)):
+        n = min(batch_size, num_prompts - start)
+        gen = generate(target, [prefix] * batch_size, max_new_tokens=max_new_tokens, sampling=sampling,
+                       seed=seed * 1_000_003 + b)
+        for i, row in enumerate(gen.tokens[:n]):
+            body = [t for t in row if t not in eos]
+            rid = f"self-{start + i}"
+            if tok is not None and tok.chat_template:
+                text = tok.decode(body).strip()
+                if text:
+                    out.append(PromptRecord(id=rid, source=SELF_PROMPTS, text=text))
+            elif body:
+                out.append(PromptRecord(id=rid, source=SELF_PROMPTS, tokens=prefix + body))
+        bar.update(n)
+    bar.close()
+    if cache_path is not None:
+        Path(cache_path).parent.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps({"settings": settings})] + [json.dumps(dataclasses.asdict(r)) for r in out]
+        Path(cache_path).write_text("\n".join(lines) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Responses from the target
+# ---------------------------------------------------------------------------------------------------------
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, unit="prompt", dynamic_ncols=True)
+
+
+def _fingerprint(items: Sequence[Any]) -> str:
+    return hashlib.sha256(json.dumps(items, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _shard_dir(out: Path, i: int) -> Path:
+    return out / "shards" / f"shard_{i:05d}"
+
+
+def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | os.PathLike, *,
+                       sampling: SamplingParams, seed: int = 0, max_new_tokens: int = 256, batch_size: int = 8,
+                       shard_size: int = 64, chat_template: bool = True, max_prompt_len: int | None = None,
+                       progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Generate the target's responses to `prompts` and store them under `out_dir` (resumable).
+
+    Prompts longer than `max_prompt_len` tokens are skipped (counted in the summary). Batch b of shard s uses
+    seed `seed * 1_000_003 + global batch index`, so a resumed run produces exactly the shards a single run
+    would. Returns the summary (prompts, examples, tokens, time), also written to `<out>/summary.json`.
+    """
+    import datasets
+
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    encoded, skipped = [], 0
+    for record in prompts:
+        ids = encode_prompt(target, record, chat_template)
+        if not ids or (max_prompt_len is not None and len(ids) > max_prompt_len):
+            skipped += 1
+            continue
+        encoded.append((record, ids))
+    if not encoded:
+        raise DataError(f"no usable prompts ({skipped} longer than max_prompt_len={max_prompt_len})")
+    manifest = {
+        "format": FORMAT_VERSION, "target": target.cfg.name, "vocab_size": target.cfg.vocab_size,
+        "sampling": dataclasses.asdict(sampling), "seed": seed, "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size, "shard_size": shard_size, "chat_template": chat_template,
+        "num_prompts": len(encoded), "prompts_sha": _fingerprint([ids for _, ids in encoded]),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / MANIFEST
+    if manifest_path.exists():
+        stored = json.loads(manifest_path.read_text())
+        diff = sorted(k for k in set(stored) | set(manifest) if stored.get(k) != manifest.get(k))
+        if diff:
+            raise DataError(f"{out} holds distillation data made with other settings (differs in: "
+                            f"{', '.join(diff)}); use another train.data_dir or delete it")
+    else:
+        manifest_path.write_text(json.dumps(manifest, indent=2))
+
+    num_shards = -(-len(encoded) // shard_size)
+    done = [i for i in range(num_shards) if _shard_dir(out, i).is_dir()]
+    bar = _progress(len(encoded), "responses", progress)
+    bar.update(sum(min(shard_size, len(encoded) - i * shard_size) for i in done))
+    if done:
+        log(f"resuming: {len(done)}/{num_shards} shards already in {out / 'shards'}")
+    features = datasets.Features({
+        "id": datasets.Value("string"), "source": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "prompt_len": datasets.Value("int32"), "stopped": datasets.Value("bool"),
+    })
+    eos = set(target.eos_token_ids)
+    new_tokens = 0
+    gen_seconds = 0.0
+    # One prompt width and cache size for every batch: a single compiled prefill + decode loop (per-batch
+    # shapes would recompile the whole model for every new prompt-length bucket).
+    width = _bucket(max(len(ids) for _, ids in encoded), PROMPT_BUCKET)
+    capacity = _bucket(width + max_new_tokens + 1, 64)
+    check_fits([width], max_new_tokens, target.cfg.max_position_embeddings)
+    batches_per_shard = -(-shard_size // batch_size)
+    for s in range(num_shards):
+        if s in done:
+            continue
+        items = encoded[s * shard_size:(s + 1) * shard_size]
+        order = sorted(range(len(items)), key=lambda i: len(items[i][1]))  # similar lengths share a batch
+        rows: dict[int, list[int]] = {}
+        for b in range(0, len(order), batch_size):
+            idx = order[b:b + batch_size]
+            batch = [items[i][1] for i in idx]
+            batch += [batch[-1]] * (batch_size - len(batch))  # fixed batch shape: one compiled program
+            tg = time.perf_counter()
+            gen = generate_fixed(target, batch, width, capacity, max_new_tokens, sampling,
+                                 seed * 1_000_003 + s * batches_per_shard + b // batch_size)
+            gen_seconds += time.perf_counter() - tg
+            for i, row in zip(idx, gen):
+                rows[i] = row
+                new_tokens += len(row)
+            bar.update(len(idx))
+        records = {k: [] for k in features}
+        for i, (record, ids) in enumerate(items):
+            resp = rows[i]
+            records["id"].append(record.id)
+            records["source"].append(record.source)
+            records["input_ids"].append(ids + resp)
+            records["loss_mask"].append([0] * len(ids) + [1] * len(resp))
+            records["prompt_len"].append(len(ids))
+            records["stopped"].append(bool(resp) and resp[-1] in eos)
+        final = _shard_dir(out, s)
+        tmp = final.with_name(final.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        bars = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()  # one bar (ours) is enough
+        try:
+            datasets.Dataset.from_dict(records, features=features).save_to_disk(str(tmp))
+        finally:
+            if bars:
+                datasets.enable_progress_bars()
+        os.replace(tmp, final)  # a killed run never leaves a half shard under the final name
+    bar.close()
+
+    data = load_distill_data(out)
+    summary = {
+        "data_dir": str(out), "prompts": len(encoded), "skipped_prompts": skipped, "examples": len(data),
+        "prompt_tokens": int(sum(data.prompt_lens)), "response_tokens": int(sum(m.sum() for m in data.loss_mask)),
+        "stopped_at_eos": float(np.mean(data.stopped)) if len(data) else 0.0,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "new_tokens_this_run": new_tokens,
+        "generate_tokens_per_second": round(new_tokens / gen_seconds, 1) if gen_seconds else None,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _bucket(n: int, size: int) -> int:
+    return -(-n // size) * size
+
+
+def generate_fixed(target, prompts: Sequence[Sequence[int]], width: int, capacity: int, max_new_tokens: int,
+                   sampling: SamplingParams, seed: int) -> list[list[int]]:
+    """`specdec.generate.generate` with a fixed prompt width and cache capacity (its compiled prefill and
+    decode loop, so every batch of a data run reuses one program). New tokens per row, EOS included."""
+    import jax
+    import jax.numpy as jnp
+
+    from specdec.generate import decode_loop, prefill
+
+    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
+    tokens = np.full((len(prompts), width), pad, np.int32)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    cache = target.init_cache(len(prompts), capacity)
+    logits, _, cache = prefill(target.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                               forward=target.forward, cfg=target.cfg)
+    result = decode_loop(target.params, cache, logits, jax.random.PRNGKey(seed), jnp.int32(max_new_tokens),
+                         forward=target.forward, cfg=target.cfg, sampling=sampling,
+                         max_new_tokens=max_new_tokens, eos_ids=tuple(target.eos_token_ids))
+    out, counts = np.asarray(result[0]), np.asarray(result[1])  # (tokens, counts[, cache])
+    return [out[i, : counts[i]].tolist() for i in range(len(prompts))]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading for training
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class DistillData:
+    """Examples in memory: ragged token ids and loss masks (numpy), plus ids."""
+
+    ids: list[str]
+    input_ids: list[np.ndarray]
+    loss_mask: list[np.ndarray]
+    prompt_lens: list[int]
+    stopped: list[bool]
+    manifest: dict
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def subset(self, idx: Sequence[int]) -> "DistillData":
+        return DistillData([self.ids[i] for i in idx], [self.input_ids[i] for i in idx],
+                           [self.loss_mask[i] for i in idx], [self.prompt_lens[i] for i in idx],
+                           [self.stopped[i] for i in idx], self.manifest)
+
+    def split_indices(self, num_eval: int) -> tuple[np.ndarray, np.ndarray]:
+        """(train, held-out) example indices: the `num_eval` examples whose id hashes lowest are held out
+        (stable under appending data and independent of order)."""
+        n = len(self)
+        if num_eval <= 0:
+            return np.arange(n), np.arange(0)
+        if num_eval >= n:
+            raise DataError(f"train.eval_examples={num_eval} leaves no training data ({n} examples)")
+        rank = sorted(range(n), key=lambda i: hashlib.sha1(self.ids[i].encode()).hexdigest())
+        held = np.zeros(n, bool)
+        held[rank[:num_eval]] = True
+        return np.flatnonzero(~held), np.flatnonzero(held)
+
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """How often each token occurs in the responses (for reduced draft vocabularies)."""
+        counts = np.zeros(vocab_size, np.int64)
+        for ids, mask in zip(self.input_ids, self.loss_mask):
+            counts += np.bincount(ids[mask > 0], minlength=vocab_size)[:vocab_size]
+        return counts
+
+    def padded(self, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+        """Fixed-shape arrays: tokens int32 [N, seq_len] (right-padded / truncated), loss_mask int8 [N, seq_len]
+        and lengths int32 [N]."""
+        n = len(self)
+        tokens = np.full((n, seq_len), pad_id, np.int32)
+        mask = np.zeros((n, seq_len), np.int8)
+        lengths = np.zeros((n,), np.int32)
+        for i, (ids, m) in enumerate(zip(self.input_ids, self.loss_mask)):
+            k = min(len(ids), seq_len)
+            tokens[i, :k], mask[i, :k], lengths[i] = ids[:k], m[:k], k
+        return {"tokens": tokens, "loss_mask": mask, "lengths": lengths}
+
+
+def load_distill_data(path: str | os.PathLike) -> DistillData:
+    import datasets
+
+    out = Path(path)
+    if not (out / MANIFEST).is_file():
+        raise DataError(f"no distillation data in {out} (no {MANIFEST}); build it first with "
+                        "`specdec data <config.yaml>`")
+    shards = sorted(p for p in (out / "shards").glob("shard_*") if not p.name.endswith(".partial"))
+    if not shards:
+        raise DataError(f"{out} has no finished shards yet; run `specdec data <config.yaml>` (it resumes)")
+    ds = datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shards])
+    cols = ds.to_dict()
+    return DistillData(ids=cols["id"], input_ids=[np.asarray(x, np.int32) for x in cols["input_ids"]],
+                       loss_mask=[np.asarray(x, np.int8) for x in cols["loss_mask"]],
+                       prompt_lens=list(cols["prompt_len"]), stopped=list(cols["stopped"]),
+                       manifest=json.loads((out / MANIFEST).read_text()))

@@ -1,0 +1,365 @@
+"""One training loop for every drafter.
+
+    summary = train(task, target, data, cfg.train, run_dir, tracker=tracker, eval_draft_len=5)
+
+- optax AdamW (weight decay on matrices only) under linear warmup + cosine decay, global-norm clipping;
+- the target's features for each batch computed online inside the jitted step (or read from a disk cache);
+- orbax checkpoints every `checkpoint_every` steps (and at the end / on Ctrl-C), the newest `keep_checkpoints`
+  kept; a run whose directory holds checkpoints resumes exactly: the same step, parameters, optimiser state,
+  data position (epoch, cursor of a seeded per-epoch permutation) and rng key, so a killed-and-resumed run
+  ends with bitwise the parameters of an uninterrupted one (tests/test_train.py checks it);
+- evaluation on held-out examples at the start, every `eval_every` steps and at the end: the loss and the
+  teacher-forced expected tau (`specdec.train.tasks`);
+- a NaN/inf guard: a step whose loss or gradient norm is not finite is not applied, and training stops with
+  `TrainingDiverged` (the checkpoints on disk are all from finite steps);
+- tracking through an injected tracker (anything with log_metrics / log_summary / log_config / finish; e.g.
+  `experiments.tracking.make_tracker`), plus metrics.jsonl and summary.json in the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specdec.train import checkpoint as ckpt_lib
+from specdec.train.data import DistillData
+from specdec.train.features import (build_feature_cache, cached_features, data_fingerprint, online_features,
+                                    open_feature_cache, stored_taps)
+from specdec.train.tasks import expected_tau_sums, slot_valid, tree_size
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient became NaN/inf; the message names the step and the last good checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    steps: int
+    lr: float
+    warmup_steps: int
+    weight_decay: float
+    clip_norm: float
+
+    @classmethod
+    def from_config(cls, cfg) -> "Hyper":
+        return cls(cfg.steps, cfg.lr, int(round(cfg.warmup_frac * cfg.steps)), cfg.weight_decay, cfg.clip_norm)
+
+
+def learning_rate(h: Hyper):
+    if h.warmup_steps >= h.steps:
+        return optax.linear_schedule(0.0, h.lr, h.steps)
+    return optax.warmup_cosine_decay_schedule(0.0, h.lr, h.warmup_steps, h.steps, end_value=0.0)
+
+
+def make_optimizer(h: Hyper) -> optax.GradientTransformation:
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms / biases
+    parts = [optax.clip_by_global_norm(h.clip_norm)] if h.clip_norm > 0 else []
+    parts.append(optax.adamw(learning_rate(h), b1=0.9, b2=0.95, weight_decay=h.weight_decay, mask=decay_mask))
+    return optax.chain(*parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Static settings of the compiled train/eval steps (hashable, so equal runs share one compilation)."""
+
+    task: Any
+    hyper: Hyper
+    cfg: Any  # target ModelConfig
+    forward: Callable
+    stored: tuple[int, ...] | None  # layers in the feature cache; None = online features
+    eval_steps: int
+
+
+def _features(spec: StepSpec, tparams, batch, logits: bool):
+    if spec.stored is None:
+        return online_features(tparams, spec.cfg, spec.forward, batch["tokens"], spec.task.taps, logits)
+    return cached_features(tparams, spec.cfg, batch["feats"], spec.task.taps, spec.stored, logits)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def train_step(spec: StepSpec, state: dict, consts, tparams, batch: dict):
+    key, sub = jax.random.split(state["key"])
+    feats = _features(spec, tparams, batch, spec.task.needs_target_logits)
+    grad_fn = jax.value_and_grad(spec.task.loss, has_aux=True)
+    (loss, metrics), grads = grad_fn(state["params"], consts, batch, feats, sub)
+    grad_norm = optax.global_norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    tx = make_optimizer(spec.hyper)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    new_state = {**state, "params": keep(params, state["params"]), "opt_state": keep(opt_state, state["opt_state"]),
+                 "step": state["step"] + ok.astype(jnp.int32), "key": key}
+    metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "finite": ok,
+               "lr": learning_rate(spec.hyper)(state["step"])}
+    return new_state, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def eval_step(spec: StepSpec, params, consts, tparams, batch: dict):
+    feats = _features(spec, tparams, batch, True)
+    loss, ev = spec.task.evaluate(params, consts, batch, feats, spec.eval_steps)
+    sums = expected_tau_sums(ev, slot_valid(batch, spec.eval_steps))
+    return {**sums, "loss": loss}
+
+
+class BatchOrder:
+    """Indices of each batch: a seeded permutation per epoch, consumed in order (wrapping into the next epoch).
+    Its position (epoch, cursor) is part of every checkpoint."""
+
+    def __init__(self, indices: np.ndarray, batch_size: int, seed: int, epoch: int = 0, cursor: int = 0):
+        if len(indices) == 0:
+            raise ValueError("no training examples")
+        self.indices, self.batch_size, self.seed = np.asarray(indices), batch_size, seed
+        self.epoch, self.cursor = epoch, cursor
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        return self.indices[np.random.default_rng([self.seed, epoch]).permutation(len(self.indices))]
+
+    def next(self) -> np.ndarray:
+        out = []
+        while len(out) < self.batch_size:
+            perm = self._perm(self.epoch)
+            take = perm[self.cursor: self.cursor + self.batch_size - len(out)]
+            out.extend(take.tolist())
+            self.cursor += len(take)
+            if self.cursor >= len(perm):
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return np.asarray(out)
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+
+def _host(x) -> Any:
+    x = np.asarray(x)
+    return x.item() if x.ndim == 0 else x.tolist()
+
+
+# Config keys that may change when a run is resumed (everything else must match the stored config).
+RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
+                     "train.log_every", "tracking", "output", "description", "eval",
+                     "generation", "sampling", "data", "verify", "scheduler", "mesh", "drafter.num_draft_tokens",
+                     "drafter.params", "drafter.path")
+
+
+def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(old) | set(new))
+    out = []
+    for k in keys:
+        name = f"{prefix}.{k}" if prefix else k
+        if any(name == r or name.startswith(r + ".") for r in RESUMABLE_CHANGES):
+            continue
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_diff(a, b, name)
+        elif a != b:
+            out.append(name)
+    return out
+
+
+def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=None, progress: bool = True,
+          full_config: dict | None = None, eval_draft_len: int = 5, hook: Callable[[int, dict], None] | None = None,
+          log: Callable[[str], None] = print) -> dict:
+    """Train `task` on `data` with the settings of `cfg` (a `specdec.config.TrainConfig`) into `run_dir`.
+
+    Resumes from `run_dir/checkpoints` when it holds any. `hook(step, metrics)` runs after every step (tests
+    use it to interrupt a run). Returns the summary (also written to run_dir/summary.json)."""
+    import yaml
+    from tqdm.auto import tqdm
+
+    t_start = time.perf_counter()
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    if full_config is not None:
+        stored_cfg = run / "config.yaml"
+        if stored_cfg.exists() and (run / ckpt_lib.CHECKPOINTS).is_dir():
+            diff = _config_diff(yaml.safe_load(stored_cfg.read_text()) or {}, full_config)
+            if diff:
+                raise ValueError(f"{run} holds a run with another config (differs in: {', '.join(diff)}); "
+                                 "use another output.name, or delete the directory to start over")
+        stored_cfg.write_text(yaml.safe_dump(full_config, sort_keys=False))
+
+    seq_len = cfg.seq_len
+    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
+    arrays = data.padded(seq_len, pad)
+    train_idx, eval_idx = data.split_indices(cfg.eval_examples)
+    k_eval = min(eval_draft_len, task.max_eval_steps or eval_draft_len)
+
+    # Features: online (default) or a disk cache shared by runs over the same data.
+    stored = None
+    cache = None
+    if cfg.features == "cached":
+        logits = True  # eval needs logits, so the cache always keeps the last layer
+        stored = stored_taps(task.taps, target.cfg.num_layers, logits)
+        fdir = Path(cfg.features_dir) if cfg.features_dir else (
+            Path(cfg.data_dir or run) / "features" / f"taps{'-'.join(map(str, stored))}_len{seq_len}_{cfg.features_dtype}")
+        expect = {"stored_taps": list(stored), "target": target.cfg.name, "seq_len": seq_len,
+                  "data": data_fingerprint(arrays["tokens"], arrays["lengths"]), "dtype": cfg.features_dtype}
+        cache = open_feature_cache(fdir, expect)
+        if cache is None:
+            log(f"caching target features ({len(stored)} taps: {stored}) in {fdir}")
+            cache = build_feature_cache(target, arrays, task.taps, logits, fdir, dtype=cfg.features_dtype,
+                                        batch_size=cfg.batch_size, progress=progress)
+        log(f"feature cache: {cache.bytes_per_token} bytes/token, {cache.meta['num_tokens']} tokens, "
+            f"{cache.bytes_per_token * cache.meta['num_tokens'] / 1e6:.1f} MB ({fdir})")
+
+    def make_batch(rows: np.ndarray, real: int | None = None) -> dict:
+        batch = {"tokens": arrays["tokens"][rows], "loss_mask": arrays["loss_mask"][rows].copy(),
+                 "lengths": arrays["lengths"][rows].copy()}
+        if real is not None:  # rows past `real` only pad the last eval batch: no valid labels
+            batch["loss_mask"][real:] = 0
+            batch["lengths"][real:] = 0
+        if cache is not None:
+            batch["feats"] = cache.batch(rows, batch["lengths"], seq_len)
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+
+    hyper = Hyper.from_config(cfg)
+    spec = StepSpec(task=task, hyper=hyper, cfg=target.cfg, forward=target.forward, stored=stored, eval_steps=k_eval)
+    tx = make_optimizer(hyper)
+    counts = data.subset(train_idx).token_counts(target.cfg.vocab_size)
+    params, buffers = task.init(jax.random.PRNGKey(cfg.seed), counts)
+    state = {"params": params, "buffers": buffers, "opt_state": tx.init(params), "step": jnp.int32(0),
+             "key": jax.random.PRNGKey(cfg.seed + 1)}
+    state = jax.tree.map(jnp.array, state)  # own buffers: the step donates the state (init may alias the target)
+    order = BatchOrder(train_idx, cfg.batch_size, cfg.seed)
+    ckpt_lib.write_drafter_config(run, task.name, task.config(), ckpt_lib.target_info(target))
+    store = ckpt_lib.CheckpointStore(run / ckpt_lib.CHECKPOINTS, keep=cfg.keep_checkpoints)
+    resumed_from = store.latest_step()
+    if resumed_from is not None:
+        state, meta = store.restore(resumed_from, like=state)
+        state = jax.tree.map(jnp.asarray, state)
+        order = BatchOrder(train_idx, cfg.batch_size, cfg.seed, meta["epoch"], meta["cursor"])
+        if int(state["step"]) != resumed_from or meta.get("train_examples") != len(train_idx):
+            raise ckpt_lib.CheckpointError(f"checkpoint {resumed_from} in {store.dir} does not match this data "
+                                           f"(step {int(state['step'])}, {meta.get('train_examples')} training "
+                                           f"examples there, {len(train_idx)} here)")
+        log(f"resuming {run} from step {resumed_from} (epoch {order.epoch}, example {order.cursor})")
+    # copies: the state (which holds the buffers too) is donated to the step, consts are not
+    consts = {**task.frozen(target), **jax.tree.map(jnp.array, state["buffers"])}
+
+    metrics_file = (run / "metrics.jsonl").open("a")
+
+    def emit(kind: str, step: int, values: dict) -> None:
+        record = {"kind": kind, "step": step, **values}
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        if tracker is not None:
+            tracker.log_metrics({f"{kind}/{k}": v for k, v in values.items() if not isinstance(v, (list, str))},
+                                step=step)
+
+    def evaluate(step: int) -> dict | None:
+        if len(eval_idx) == 0:
+            return None
+        sums: dict[str, Any] = {}
+        n_batches = 0
+        for start in range(0, len(eval_idx), cfg.batch_size):
+            rows = eval_idx[start: start + cfg.batch_size]
+            real = len(rows)
+            rows = np.concatenate([rows, np.repeat(rows[-1:], cfg.batch_size - real)])
+            out = jax.device_get(eval_step(spec, state["params"], consts, target.params, make_batch(rows, real)))
+            n_batches += 1
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0) + np.asarray(v, np.float64)
+        slots = max(float(sums["slots"]), 1.0)
+        result = {"loss": float(sums["loss"]) / n_batches, "expected_tau": float(sums["tau"]) / slots,
+                  "greedy_tau": float(sums["greedy_tau"]) / slots,
+                  "acceptance_by_step": [round(float(a) / slots, 4) for a in sums["alpha"]],
+                  "slots": int(sums["slots"]), "draft_len": k_eval}
+        emit("eval", step, result)
+        history.append({"step": step, **result})
+        return result
+
+    def save(step: int) -> None:
+        meta = {"step": step, **order.position(), "train_examples": len(train_idx), "seed": cfg.seed}
+        store.save(step, state, meta)
+
+    history: list[dict] = []
+    step = int(state["step"])
+    log(f"training {task.name}: {tree_size(state['params']):,} trainable parameters, {len(train_idx)} train / "
+        f"{len(eval_idx)} held-out examples, batch {cfg.batch_size} x {seq_len} tokens, steps {step}->{cfg.steps}, "
+        f"features {cfg.features}")
+    tokens_seen = 0
+    t_loop = time.perf_counter()
+    last_saved = resumed_from
+    status = "complete"
+    first_eval = final_eval = None
+    try:
+        first_eval = evaluate(step) if step == 0 else None
+        bar = tqdm(total=cfg.steps, initial=step, desc=f"train {task.name}", disable=not progress,
+                   dynamic_ncols=True)
+        window: list[dict] = []
+        t_loop = time.perf_counter()
+        try:
+            while step < cfg.steps:
+                batch = make_batch(order.next())
+                state, m = train_step(spec, state, consts, target.params, batch)
+                m = jax.device_get(m)
+                if not bool(m["finite"]):
+                    where = (f"the last good checkpoint is step {last_saved} in {store.dir}" if last_saved is not None
+                             else "no checkpoint was saved yet")
+                    msg = (f"non-finite loss/gradient at step {step + 1} (loss={float(m['loss'])}, "
+                           f"grad_norm={float(m['grad_norm'])}); training stopped and that update was not applied; "
+                           f"{where}. Lower train.lr, raise train.warmup_frac or check the data.")
+                    emit("error", step + 1, {"message": msg})
+                    raise TrainingDiverged(msg)
+                step += 1
+                tokens_seen += int(np.asarray(batch["lengths"]).sum())
+                window.append({k: _host(v) for k, v in m.items() if k != "finite"})
+                bar.update(1)
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    elapsed = time.perf_counter() - t_loop
+                    avg = {k: float(np.mean([w[k] for w in window])) for k in window[0]
+                           if not isinstance(window[0][k], list)}
+                    avg["tokens_per_second"] = tokens_seen / max(elapsed, 1e-9)
+                    emit("train", step, avg)
+                    bar.set_postfix(loss=f"{avg['loss']:.3f}", refresh=False)
+                    window = []
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                    save(step)
+                    last_saved = step
+                if step % cfg.eval_every == 0 and step != cfg.steps:
+                    evaluate(step)
+                if hook is not None:
+                    hook(step, m)
+        except KeyboardInterrupt:
+            status = "interrupted"
+            if last_saved != step:
+                save(step)
+                last_saved = step
+            log(f"\ninterrupted at step {step}: checkpoint saved in {store.dir}; run the same command again to "
+                "resume")
+        finally:
+            bar.close()
+        if status == "complete":
+            final_eval = evaluate(step)
+        export = ckpt_lib.export_params(run, state["params"], state["buffers"], step)
+    finally:
+        metrics_file.close()
+        store.close()
+    elapsed = time.perf_counter() - t_loop
+    summary = {
+        "status": status, "drafter": task.name, "run_dir": str(run), "export": str(export), "steps": step,
+        "resumed_from": resumed_from, "trainable_parameters": tree_size(state["params"]),
+        "train_examples": len(train_idx), "eval_examples": len(eval_idx), "batch_size": cfg.batch_size,
+        "seq_len": seq_len, "features": cfg.features, "seconds": round(time.perf_counter() - t_start, 1),
+        "train_tokens_per_second": round(tokens_seen / elapsed, 1) if elapsed > 0 and tokens_seen else None,
+        "first_eval": first_eval, "final_eval": final_eval,
+        "bytes_per_token_cached": cache.bytes_per_token if cache is not None else None,
+        "eval_history": history,
+    }
+    (run / "summary.json").write_text(json.dumps(summary, indent=2))
+    if tracker is not None:
+        tracker.log_summary({k: v for k, v in summary.items() if k != "eval_history"})
+    if status == "interrupted":
+        raise KeyboardInterrupt
+    return summary

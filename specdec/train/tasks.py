@@ -1,0 +1,153 @@
+"""The training side of a drafter: the `TrainTask` protocol, its registry, and the losses/metrics all share.
+
+A trainable drafter (drafters/eagle3.py, drafters/medusa.py, drafters/distilled_lm.py) registers a task factory
+
+    @register_task("eagle3")
+    def make_task(target, **options) -> TrainTask
+
+The loop (`specdec.train.loop.train`) calls, with B examples of T tokens per batch:
+    params, buffers = task.init(key, token_counts)     trainable pytree; saved non-trainable arrays (d2t maps)
+    frozen = task.frozen(target)                        arrays taken from the target (embedding, lm_head, ...)
+    loss, metrics = task.loss(params, consts, batch, feats, key)   consts = {**frozen, **buffers}
+    loss, ev = task.evaluate(params, consts, batch, feats, k)      the loss and, per slot and draft step, the
+                                                         teacher-forced acceptance (DraftEval), in one pass
+    task.config()                                        JSON: everything needed to rebuild the drafter
+`batch` = {"tokens" int32 [B, T], "loss_mask" int8 [B, T] (1 on response tokens), "lengths" int32 [B]};
+`feats` = TargetFeatures(taps [n_taps, B, T, H] in `task.taps` order, logits [B, T, V] or None).
+
+One indexing convention for every drafter ("root slot"): slot j is a root position, as in the engine, where
+x_j is the last committed token; the drafter's k-th token (k = 0, 1, ...) predicts x_{j+k+1}, and the target
+distribution it is compared with is the target's logits at position j+k. `evaluate` returns, per slot and
+step, the acceptance probability at temperature 1, alpha = sum_v min(p_d(v), p_t(v)), and whether the draft's
+argmax equals the target's. The teacher-forced expected tau of a slot is 1 + sum_k prod_{i<=k} alpha_i
+(METHODS.md); a slot counts when all k labels x_{j+1..j+k} are response tokens inside the example.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+_TASKS: dict[str, Callable] = {}
+
+
+def register_task(name: str):
+    def deco(factory):
+        _TASKS[name] = factory
+        return factory
+    return deco
+
+
+def available_tasks() -> list[str]:
+    return sorted(_TASKS)
+
+
+def make_task(name: str, target, options: dict | None = None):
+    """The registered task `name` for `target` (import `drafters` first so drafter modules register)."""
+    if name not in _TASKS:
+        raise ValueError(f"drafter {name!r} has no training task; trainable drafters: "
+                         f"{', '.join(available_tasks()) or '(none registered: import drafters first)'}")
+    options = dict(options or {})
+    import inspect
+
+    factory = _TASKS[name]
+    accepted = [p for p in inspect.signature(factory).parameters if p != "target"]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"train.drafter_options: drafter {name!r} got unknown option(s) {', '.join(unknown)}; "
+                         f"its options are: {', '.join(accepted) or '(none)'}")
+    return factory(target, **options)
+
+
+class DraftEval(NamedTuple):
+    alpha: jax.Array  # float32 [B, T, K] acceptance probability of step k from root slot j (temperature 1)
+    match: jax.Array  # bool [B, T, K] draft argmax == target argmax
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------------------
+
+def shift(x: jax.Array, k: int, fill=0) -> jax.Array:
+    """x[:, j + k] at position j along axis 1 (`fill` past the end)."""
+    if k == 0:
+        return x
+    pad = jnp.full((x.shape[0], k) + x.shape[2:], fill, x.dtype)
+    return jnp.concatenate([x[:, k:], pad], axis=1)[:, : x.shape[1]]
+
+
+def shift_dynamic(x: jax.Array, k: jax.Array, max_k: int, fill=0) -> jax.Array:
+    """`shift` for a traced k in [0, max_k] (inside a scan)."""
+    pad = jnp.full((x.shape[0], max_k) + x.shape[2:], fill, x.dtype)
+    return jax.lax.dynamic_slice_in_dim(jnp.concatenate([x, pad], axis=1), k, x.shape[1], axis=1)
+
+
+def label_valid(batch: dict, k, min_slot: int = 0, max_k: int | None = None) -> jax.Array:
+    """bool [B, T]: from root slot j, the k-th draft's label x_{j+k+1} is a response token inside the example
+    (and j >= min_slot). `k` may be traced if `max_k` bounds it."""
+    mask = batch["loss_mask"].astype(bool)
+    t = mask.shape[1]
+    pos = jnp.arange(t)[None, :]
+    shifted = shift(mask, k + 1, False) if max_k is None else shift_dynamic(mask, k + 1, max_k + 1, False)
+    ok = shifted & (pos + k + 1 < batch["lengths"][:, None])
+    return ok & (pos >= min_slot)
+
+
+def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def soft_cross_entropy(logits: jax.Array, target_probs: jax.Array) -> jax.Array:
+    """-sum_v p_t(v) log softmax(logits)(v), per position."""
+    return -jnp.sum(target_probs * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+
+
+def kl_divergence(target_logits: jax.Array, logits: jax.Array) -> jax.Array:
+    """KL(p_t || p_d) per position (forward KL: the distillation loss)."""
+    lt = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)
+    ld = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.exp(lt) * (lt - ld), axis=-1)
+
+
+def hard_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def acceptance(draft_logits: jax.Array, target_logits: jax.Array, d2t: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(alpha, argmax match) of draft vs target at temperature 1. draft_logits [..., Vd]; with `d2t` [Vd] the
+    draft covers only those target ids (p_d is 0 elsewhere)."""
+    pd = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1)
+    pt = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
+    d_top = jnp.argmax(draft_logits, axis=-1)
+    if d2t is not None:
+        pt = jnp.take(pt, d2t, axis=-1)
+        d_top = d2t[d_top]
+    alpha = jnp.sum(jnp.minimum(pd, pt), axis=-1)
+    return alpha, d_top == jnp.argmax(target_logits, axis=-1)
+
+
+def slot_valid(batch: dict, num_steps: int, min_slot: int = 1) -> jax.Array:
+    """bool [B, T]: all `num_steps` labels of root slot j are valid (the slots the eval averages over)."""
+    ok = label_valid(batch, num_steps - 1, min_slot)  # the last label valid => the earlier ones are inside too
+    for k in range(num_steps - 1):
+        ok = ok & label_valid(batch, k, min_slot)
+    return ok
+
+
+def expected_tau_sums(ev: DraftEval, valid: jax.Array) -> dict[str, jax.Array]:
+    """Sums over valid slots (the loop divides by `slots`): expected tau (temperature 1), greedy tau (the
+    accepted length if drafting and verification were both argmax), and per-step conditional acceptance."""
+    v = valid.astype(jnp.float32)
+    surv = jnp.cumprod(ev.alpha, axis=-1)  # prod_{i<=k} alpha_i
+    greedy = jnp.cumprod(ev.match.astype(jnp.float32), axis=-1)
+    return {"slots": jnp.sum(v), "tau": jnp.sum((1.0 + jnp.sum(surv, -1)) * v),
+            "greedy_tau": jnp.sum((1.0 + jnp.sum(greedy, -1)) * v),
+            "alpha": jnp.sum(ev.alpha * v[..., None], axis=(0, 1))}
+
+
+def tree_size(tree: Any) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(tree)))

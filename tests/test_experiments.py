@@ -1,0 +1,410 @@
+"""Config-driven experiments: `specdec run` / `specdec sweep` end to end on the tiny model, resume, trackers
+(memory and W&B offline), the dataset loader's layouts and errors, the task scorers, and a loud lossless
+failure. Every run here shares one tiny-model shape, so the whole file compiles once."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import glob
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments import cli
+from experiments.datasets import DatasetError, load_all, load_prompts
+from experiments.lossless import LosslessError, check_greedy, two_sample_chi2
+from experiments.plots import pareto_front
+from experiments.quality import extract_final_number, gsm8k_correct, humaneval_passed, mbpp_passed, score_all
+from experiments.run import RunInterrupted, accept_length_multiset, batch_group, plan_batches, run_experiment
+from experiments.sweep import run_sweep
+from experiments.tracking import MemoryTracker
+from specdec.config import DatasetConfig, ConfigError, load_config
+from specdec.metrics import DecodeMetrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
+TINY_SWEEP = ROOT / "configs" / "sweeps" / "tiny.yaml"
+
+
+def tiny_cfg(tmp_path, name="run", *overrides):
+    return load_config(TINY, [f"output.dir={tmp_path}", f"output.name={name}", *overrides])
+
+
+def quiet(*_):
+    pass
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def test_run_end_to_end_with_memory_tracker(tmp_path):
+    tracker = MemoryTracker("e2e")
+    summary = run_experiment(tiny_cfg(tmp_path, "e2e"), tracker=tracker, progress=False, echo=quiet)
+    out = tmp_path / "e2e"
+    for name in ("config.yaml", "summary.json", "table.md", "acceptance_by_position.png", "by_category.png",
+                 "answers/autoregressive.jsonl", "answers/speculative.jsonl", "metrics/speculative.jsonl"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert load_config(out / "config.yaml") == tiny_cfg(tmp_path, "e2e")
+
+    # the summary schema
+    for key in ("tau", "acceptance_rate", "tokens_per_second", "ar_tokens_per_second", "speedup",
+                "acceptance_by_position", "draft_verify", "lossless", "by_category", "provenance", "seeds",
+                "speculative", "autoregressive", "timing"):
+        assert key in summary, key
+    assert summary["status"] == "complete" and summary["prompts"] == 2
+    assert summary["tau"] >= 1.0 and summary["speedup"] > 0
+    assert len(summary["acceptance_by_position"]["survival"]) == 4
+    assert summary["draft_verify"]["draft_seconds"] is not None and summary["draft_verify"]["verify_seconds"] > 0
+    assert summary["lossless"]["kind"] == "greedy" and summary["lossless"]["passed"] is True
+    assert summary["lossless"]["prompts_checked"] == 2
+    prov = summary["provenance"]
+    assert {"git", "versions", "machine"} <= set(prov) and prov["versions"]["jax"]
+    assert summary["quality"] is None  # built-in prompts have no scorer
+
+    # Spec-Bench-compatible records, consistent with the metrics
+    for method in ("autoregressive", "speculative"):
+        records = read_jsonl(out / "answers" / f"{method}.jsonl")
+        assert len(records) == 2
+        for r in records:
+            c = r["choices"][0]
+            assert {"question_id", "category", "answer_id", "model_id", "choices"} <= set(r)
+            assert c["new_tokens"][0] == len(r["token_ids"]) and c["wall_time"][0] > 0 and c["turns"][0] is not None
+            assert len(c["accept_lengths"]) == c["decoding_steps"][0]
+            assert sum(c["accept_lengths"]) >= c["new_tokens"][0] - 1
+    spec = read_jsonl(out / "answers" / "speculative.jsonl")
+    assert sum(len(r["choices"][0]["accept_lengths"]) for r in spec) == summary["speculative"]["rounds"]
+
+    # everything reached the tracker
+    assert tracker.config["model"]["name"] == "tiny" and "provenance" in tracker.config
+    assert tracker.summary["tau"] == summary["tau"]
+    assert set(tracker.images) == {"acceptance_by_position", "by_category"}
+    assert len(tracker.tables["records"][1]) == 4 and "by_category" in tracker.tables
+    assert any("speculative/tokens_per_second" in m for _, m in tracker.metrics)
+
+
+def test_rerun_of_a_finished_run_is_skipped_and_a_changed_config_refused(tmp_path):
+    cfg = tiny_cfg(tmp_path, "done", "data.datasets.0.limit=1")
+    first = run_experiment(cfg, progress=False, echo=quiet)
+    said = []
+    assert run_experiment(cfg, progress=False, echo=said.append) == first
+    assert "already complete" in said[0]
+    with pytest.raises(ValueError, match="different config"):
+        run_experiment(tiny_cfg(tmp_path, "done", "generation.max_new_tokens=8"), progress=False, echo=quiet)
+
+
+def test_interrupted_run_resumes_without_redoing_recorded_prompts(tmp_path):
+    cfg = tiny_cfg(tmp_path, "resume")
+    out = tmp_path / "resume"
+    with pytest.raises(RunInterrupted):
+        run_experiment(cfg, progress=False, echo=quiet, max_batches=1)  # "killed" after one batch
+    assert not (out / "summary.json").exists()
+    assert len(read_jsonl(out / "answers" / "autoregressive.jsonl")) == 1
+    with (out / "answers" / "autoregressive.jsonl").open("a") as f:
+        f.write('{"question_id": 1, "categ')  # a write cut short by the kill
+    summary = run_experiment(cfg, progress=False, echo=quiet)
+    assert summary["records"]["autoregressive"] == {"prompts": 2, "reused_from_earlier_invocation": 1}
+    assert summary["records"]["speculative"] == {"prompts": 2, "reused_from_earlier_invocation": 0}
+    records = read_jsonl(out / "answers" / "autoregressive.jsonl")  # the torn line is gone, nothing duplicated
+    assert sorted(r["question_id"] for r in records) == [0, 1]
+    assert summary["lossless"]["passed"] is True
+
+
+def test_broken_engine_output_fails_the_lossless_check_loudly(tmp_path, monkeypatch):
+    import specdec.engine
+
+    real = specdec.engine.speculative_generate
+
+    def lossy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.tokens = [t[:-1] + [(t[-1] + 1) % 256] for t in out.tokens]  # corrupt the last token of every row
+        return out
+
+    monkeypatch.setattr(specdec.engine, "speculative_generate", lossy)
+    with pytest.raises(LosslessError, match="LOSSLESS CHECK FAILED"):
+        run_experiment(tiny_cfg(tmp_path, "lossy"), progress=False, echo=quiet)
+    out = tmp_path / "lossy"
+    assert not (out / "summary.json").exists()  # not "complete": a rerun repeats the check
+    failed = json.loads((out / "summary.failed.json").read_text())
+    assert failed["lossless"]["passed"] is False and failed["status"].startswith("failed")
+    assert failed["lossless"]["mismatches"][0]["position"] == 15
+
+
+def test_check_greedy_and_chi_square():
+    ok = check_greedy({"a": [1, 2, 3]}, {"a": [1, 2, 3]}, ["a"])
+    assert ok.passed and "token for token" in ok.describe()
+    bad = check_greedy({"a": [1, 2, 3], "b": [4]}, {"a": [1, 2, 9], "b": [4]}, ["a", "b"])
+    assert bad.passed is False and bad.mismatches == [
+        {"key": "a", "position": 2, "ar": 3, "spec": 9, "ar_len": 3, "spec_len": 3}]
+    with pytest.raises(LosslessError, match="1 of 2 prompts differ"):
+        bad.raise_if_failed()
+    import random
+
+    rng = random.Random(0)
+    a = rng.choices(range(6), weights=[5, 4, 3, 2, 1, 1], k=2000)
+    b = rng.choices(range(6), weights=[5, 4, 3, 2, 1, 1], k=2000)
+    c = rng.choices(range(6), weights=[1, 1, 2, 3, 4, 5], k=2000)
+    assert two_sample_chi2(a, b)["p_value"] > 1e-3
+    assert two_sample_chi2(a, c)["p_value"] < 1e-12
+    assert two_sample_chi2([1] * 50, [1] * 50)["p_value"] == 1.0  # one cell: nothing to distinguish
+
+
+def test_sampled_check_flags_a_shifted_distribution(monkeypatch):
+    """check_sampled's statistics and wiring, with stand-in decoders (the engine's exact distributional
+    tests live in test_lossless_policies.py; compiling a 128-row sampled run here would cost a minute)."""
+    import random
+    import types
+
+    import specdec.engine
+    import specdec.generate
+    from experiments.lossless import check_sampled
+
+    def fake(weights):
+        def decode(*args, seed=0, **kwargs):  # (target, batch, ...) or (target, drafter, batch, ...)
+            batch = next(a for a in args if isinstance(a, list))
+            rng = random.Random(seed)
+            rows = [[7] + rng.choices(range(5), weights=weights, k=2) for _ in batch]
+            return types.SimpleNamespace(tokens=rows)
+        return decode
+
+    monkeypatch.setattr(specdec.generate, "generate", fake([5, 3, 1, 1, 0.5]))
+    monkeypatch.setattr(specdec.engine, "speculative_generate", fake([5, 3, 1, 1, 0.5]))
+    ok = check_sampled(None, None, {"p": [1, 2], "q": [3]}, policy="rejection_chain", sampling=None, rows=400)
+    assert ok.passed and ok.kind == "sampled" and ok.prompts_checked == 2 and len(ok.tests) == 4
+    assert all(t["cells"] == 5 for t in ok.tests) and "consistent with" in ok.describe()
+    monkeypatch.setattr(specdec.engine, "speculative_generate", fake([1, 1, 1, 3, 5]))
+    bad = check_sampled(None, None, {"p": [1, 2]}, policy="rejection_chain", sampling=None, rows=400)
+    assert bad.passed is False and "DIFFERS" in bad.describe()
+    with pytest.raises(LosslessError):
+        bad.raise_if_failed()
+
+
+def test_accept_lengths_from_position_counts_and_batch_plan():
+    # 5 rounds: accepted 0, 0, 1, 2, 4 drafts -> per position "accepted at least j+1": [3, 2, 1, 1]
+    m = DecodeMetrics(new_tokens=13, rounds=5, accepted_draft_tokens=7, proposed_draft_tokens=20, prefill_seconds=0,
+                      decode_seconds=1, position_proposed=[5, 5, 5, 5], position_accepted=[3, 2, 1, 1])
+    assert accept_length_multiset(m) == [1, 1, 2, 3, 5]
+    prompts = load_prompts(DatasetConfig("quickstart")) + load_prompts(DatasetConfig("quickstart", category="x"))
+    prompts[8:] = [dataclasses.replace(p, dataset="other") for p in prompts[8:]]
+    batches = plan_batches(prompts, 3)
+    assert all(len({p.dataset for p in b}) == 1 and len(b) <= 3 for b in batches)  # never mixes datasets
+    assert sorted(p.key for b in batches for p in b) == sorted(p.key for p in prompts)
+    assert [batch_group(b) for b in batches] == ["quickstart (mixed)", "quickstart (mixed)", "quickstart (mixed)",
+                                                 "x", "x", "x"]
+    assert [batch_group(b) for b in plan_batches(prompts[:8], 1)] == [p.category for p in prompts[:8]]
+
+
+def test_cli_run_and_bad_input(tmp_path, capsys):
+    assert cli.main(["run", str(TINY), f"output.dir={tmp_path}", "data.datasets.0.limit=1", "--no-progress"]) == 0
+    assert (tmp_path / "tiny" / "summary.json").is_file()  # output.name defaults to the config's stem
+    assert "| autoregressive |" in capsys.readouterr().out
+    assert cli.main(["run", str(TINY), "generation.batch_sise=2"]) == 2
+    assert "did you mean 'batch_size'" in capsys.readouterr().err
+    assert cli.main(["run", str(TINY), f"output.dir={tmp_path}", "output.name=x", "scheduler.kind=prefix"]) == 2
+    assert "scheduler.kind" in capsys.readouterr().err
+
+
+def test_wandb_offline_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = tiny_cfg(tmp_path, "wb", "tracking.backend=wandb", f"tracking.dir={tmp_path / 'wandb_dir'}",
+                   "tracking.group=g", "tracking.tags=[test]", "data.datasets.0.limit=1")
+    run_experiment(cfg, progress=False, echo=quiet)
+    runs = glob.glob(str(tmp_path / "wandb_dir" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1 and Path(runs[0]).stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------------------------ sweep
+
+
+def test_tiny_sweep_end_to_end_and_resume(tmp_path):
+    trackers = []
+
+    def factory(name, cfg):
+        trackers.append(MemoryTracker(name, cfg.tracking.group))
+        return trackers[-1]
+
+    report = run_sweep(TINY_SWEEP, [f"output.dir={tmp_path}"], progress=False, tracker_factory=factory, echo=quiet)
+    sweep_dir = tmp_path / "tiny"
+    names = ["num_draft_tokens=2", "num_draft_tokens=4"]
+    for name in names:
+        assert (sweep_dir / name / "summary.json").is_file()
+    for name in ("report.md", "report.json", "tau_vs_throughput.png", "acceptance_by_position.png",
+                 "speedup_by_category.png"):
+        assert (sweep_dir / name).is_file(), name
+    text = (sweep_dir / "report.md").read_text()
+    assert "## Headline" in text and "num_draft_tokens=4" in text and "pass (greedy)" in text
+    assert {t.group for t in trackers} == {"tiny"} and trackers[-1].name == "tiny-report"
+    assert all(t.finished for t in trackers)
+    assert "tau_vs_throughput" in trackers[-1].images and report["pareto_front"]
+    s2 = report["summaries"][names[1]]
+    assert s2["baseline_source"] == names[0]  # AR measured once, shared by the second run
+    assert s2["num_draft_tokens"] == 4 and report["summaries"][names[0]]["num_draft_tokens"] == 2
+
+    said = []
+    run_sweep(TINY_SWEEP, [f"output.dir={tmp_path}"], progress=False, tracker_factory=factory, echo=said.append,
+              only=["*=4"])
+    assert sum("finished earlier, skipped" in s for s in said) == 2
+    assert trackers[-1].name == "tiny-report" and len(trackers) == 4  # only the report tracker was new
+    with pytest.raises(ValueError, match="matches none of the runs"):
+        run_sweep(TINY_SWEEP, [f"output.dir={tmp_path}"], only=["nope*"], echo=quiet)
+
+
+def test_codecs_apply_the_chat_template_when_the_tokenizer_has_one():
+    from experiments.build import ByteCodec, TokenizerCodec
+
+    class Tok:
+        chat_template = "<chatml>"
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def encode_chat(self, text):
+            return [0] + self.encode(text) + [1]
+
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    codec = TokenizerCodec(Tok())
+    assert codec.chat_template == "<chatml>"
+    assert codec.encode("ab", chat=True) == [0, 97, 98, 1] and codec.encode("ab") == [97, 98]
+    assert ByteCodec().chat_template is None and ByteCodec().encode("hé") == [104, 195, 169]
+    assert ByteCodec().decode([2, 104, 195, 169]) == "hé"
+
+
+def test_pareto_front():
+    pts = [(1.0, 10.0), (2.0, 8.0), (1.5, 7.0), (3.0, 5.0), (0.5, 11.0), (float("nan"), 20.0)]
+    assert pareto_front(pts) == [4, 0, 1, 3]
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_dataset_layouts(tmp_path):
+    mt = write_jsonl(tmp_path / "question.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+        {"question_id": 82, "category": "writing", "turns": ["Write an email."]},
+        {"question_id": 91, "category": "roleplay", "turns": ["Pretend to be a cat."], "reference": ["meow"]}])
+    items = load_prompts(DatasetConfig(mt))
+    assert [(p.key, p.category, p.text, p.layout) for p in items] == [
+        ("mt_bench/81", "writing", "Write a poem.", "mt_bench"),
+        ("mt_bench/82", "writing", "Write an email.", "mt_bench"),
+        ("mt_bench/91", "roleplay", "Pretend to be a cat.", "mt_bench")]
+    assert items[2].reference == ["meow"]
+    assert [p.question_id for p in load_prompts(DatasetConfig(mt, per_category=1))] == [81, 91]
+    assert len(load_prompts(DatasetConfig(mt, limit=2))) == 2
+
+    gsm = write_jsonl(tmp_path / "test.jsonl", [{"question": "2+2?", "answer": "It is 4.\n#### 4"},
+                                                 {"question": "How many?", "answer": "Lots.\n#### 1,234"}])
+    items = load_prompts(DatasetConfig(gsm))
+    assert [(p.key, p.category, p.text, p.reference) for p in items] == [
+        ("gsm8k/0", "math", "2+2?", "4"), ("gsm8k/1", "math", "How many?", "1234")]
+
+    he = write_jsonl(tmp_path / "HumanEval.jsonl", [{"task_id": "HumanEval/0", "prompt": "def f():\n", "test": "t",
+                                                      "entry_point": "f", "canonical_solution": "x"}])
+    raw, chat = load_prompts(DatasetConfig(he), chat=False)[0], load_prompts(DatasetConfig(he), chat=True)[0]
+    assert raw.text == "def f():\n" and "def f():\n" in chat.text and chat.text.startswith("Complete")
+    assert raw.reference == {"prompt": "def f():\n", "test": "t", "entry_point": "f"} and raw.category == "code"
+
+    mbpp = write_jsonl(tmp_path / "mbpp.jsonl", [
+        {"task_id": tid, "text": f"Task {tid}.", "code": "", "test_list": [f"assert f({tid}) == {tid}"],
+         "test_setup_code": ""} for tid in (5, 11, 510, 600, 700)])
+    assert [p.question_id for p in load_prompts(DatasetConfig(mbpp))] == [11, 510]  # test split by default
+    assert [p.question_id for p in load_prompts(DatasetConfig(mbpp, split="train"))] == [700]
+    first = load_prompts(DatasetConfig(mbpp))[0]
+    assert "assert f(11) == 11" in first.text and first.reference["test_list"] == ["assert f(11) == 11"]
+    with pytest.raises(DatasetError, match="unknown MBPP split"):
+        load_prompts(DatasetConfig(mbpp, split="dev"))
+
+
+def test_generic_files_fields_and_sources(tmp_path, monkeypatch):
+    path = tmp_path / "roles.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerows([["act", "prompt"], ["Poet", "Write verse."], ["Chef", "Cook."]])
+    items = load_prompts(DatasetConfig(str(path), category="roleplay"))
+    assert [(p.key, p.category, p.text) for p in items] == [("roles/0", "roleplay", "Write verse."),
+                                                            ("roles/1", "roleplay", "Cook.")]
+    assert [p.text for p in load_prompts(DatasetConfig(str(path), field="act"))] == ["Poet", "Chef"]
+    with pytest.raises(DatasetError, match="field 'nope' not found"):
+        load_prompts(DatasetConfig(str(path), field="nope"))
+
+    js = tmp_path / "instr.json"
+    js.write_text(json.dumps([{"instruction": "Translate.", "input": "Hallo", "response": "Hello"},
+                              {"instruction": "Say hi.", "input": "", "response": "hi"}]))
+    assert [p.text for p in load_prompts(DatasetConfig(str(js)))] == ["Translate.\n\nHallo", "Say hi."]
+    split = tmp_path / "splits.json"
+    split.write_text(json.dumps({"test": [{"prompt": "a"}], "train": [{"prompt": "b"}]}))
+    assert load_prompts(DatasetConfig(str(split), split="train"))[0].text == "b"
+    odd = write_jsonl(tmp_path / "odd.jsonl", [{"foo": 1}])
+    with pytest.raises(DatasetError, match="set `field`"):
+        load_prompts(DatasetConfig(odd))
+
+    monkeypatch.setenv("MY_DATA", str(tmp_path))
+    assert len(load_prompts(DatasetConfig("${MY_DATA}/roles.csv"))) == 2
+    monkeypatch.delenv("MY_DATA")
+    with pytest.raises(DatasetError, match=r"uses \$MY_DATA, which is not set"):
+        load_prompts(DatasetConfig("${MY_DATA}/roles.csv"))
+    with pytest.raises(DatasetError, match="dataset file not found"):
+        load_prompts(DatasetConfig(str(tmp_path / "missing.jsonl")))
+    assert len(load_prompts(DatasetConfig("quickstart", limit=3))) == 3
+
+    both = load_all([DatasetConfig(str(path)), DatasetConfig(str(path))])  # same file twice: distinct keys
+    assert len({p.key for p in both}) == 4
+
+
+def test_hub_name_offline_gives_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DatasetError) as e:
+        load_prompts(DatasetConfig("openai/gsm8k:main", split="test"))
+    msg = str(e.value)
+    assert "'openai/gsm8k:main'" in msg and "hub access is unavailable" in msg and "local .jsonl" in msg
+
+
+def test_dataset_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="data.datasets.0.per_category"):
+        load_config({}, ["data.datasets.0.per_category=0"])
+
+
+# ------------------------------------------------------------------------------------------------ scorers
+
+HE_REF = {"prompt": "from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    \"\"\"Sum of xs.\"\"\"\n",
+          "test": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n",
+          "entry_point": "total"}
+
+
+def test_humaneval_scorer_executes_the_tests():
+    right = "Here you go:\n```python\ndef total(xs: List[int]) -> int:\n    return sum(xs)\n```\nDone."
+    assert humaneval_passed(right, HE_REF) == (True, "")
+    assert humaneval_passed("    return sum(xs)\n", HE_REF)[0]  # completion-style continuation of the prompt
+    wrong = "```python\ndef total(xs):\n    return len(xs)\n```"
+    passed, err = humaneval_passed(wrong, HE_REF)
+    assert not passed and "AssertionError" in err
+    assert not humaneval_passed("```python\ndef total(xs):\n    while True:\n        pass\n```", HE_REF, timeout=2)[0]
+    assert not humaneval_passed("I cannot do that.", HE_REF)[0]
+    assert mbpp_passed("```python\ndef f(x):\n    return x\n```", {"test_list": ["assert f(3) == 3"]})[0]
+    assert not mbpp_passed("def f(x):\n    return -x\n", {"test_list": ["assert f(3) == 3"]})[0]
+
+
+def test_gsm8k_scorer_and_quality_table():
+    assert extract_final_number("She makes 9 * 2 = $18 every day.") == "18"
+    assert extract_final_number("#### 1,234") == "1234" and extract_final_number("no numbers") is None
+    assert gsm8k_correct("So the answer is 18.", "18") and not gsm8k_correct("It is 17", "18")
+    assert gsm8k_correct("Total: 7.0", "7")
+    from experiments.datasets import Prompt
+
+    prompts = [Prompt("gsm8k", 0, "math", "q", "18", "gsm8k"), Prompt("gsm8k", 1, "math", "q", "5", "gsm8k")]
+    texts = {"autoregressive": {"gsm8k/0": "18", "gsm8k/1": "4"}, "speculative": {"gsm8k/0": "18", "gsm8k/1": "4"}}
+    q = score_all(prompts, texts)["gsm8k"]
+    assert q["metric"] == "accuracy" and q["autoregressive"] == q["speculative"] == 0.5 and q["identical"]
