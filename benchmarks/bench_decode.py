@@ -9,8 +9,8 @@ Measured in ONE run on the current machine (numbers from different runs or machi
     median over --steps steps after warm-up, for the reference (unrolled) and scan backends;
   * end-to-end greedy tokens/s of `specdec.generate.generate` on chat prompts at B=1 and B=8;
   * transformers' greedy tokens/s on the same prompts (B=1), same GGUF, float32;
-  * the compiled step's HLO, checked for copies of cache-sized buffers (each would cost a full cache copy
-    per step);
+  * the compiled step's HLO, checked for copies / transposes of cache-sized buffers (each would cost a full
+    cache copy per step);
   * on an NVIDIA GPU, if JAX sees one: the step there against that GPU's floor (peak HBM bandwidth).
 
     SPECDEC_CACHE=... python benchmarks/bench_decode.py [--steps 300] [--json OUT]
@@ -116,17 +116,21 @@ def make_step(forward, cfg):
 
 
 def cache_copies_in_hlo(compiled, cache, entry: bool = True) -> tuple[int, list[str]]:
-    """Copies in the compiled program whose result is as large as one layer's cache (or larger).
+    """Copies and transposes in the compiled program whose result is as large as one layer's cache (or larger):
+    each re-materialises a cache (a fused `copy(transpose)` counts once).
 
     entry=False skips the ENTRY computation (in a while-loop program that is the once-per-call part, so what
     is left is what every step pays)."""
-    layer_elems = int(np.prod(jax.tree.leaves(cache.k)[0].shape[-4:]))
+    leaf = jax.tree.leaves(cache.k)[0]
+    layer_elems = int(np.prod(leaf.shape[-4:]))  # one layer's [B, KVH, S, HD], per-layer or stacked cache
     hits, in_entry = [], False
     for line in compiled.as_text().splitlines():
         if line.rstrip().endswith("{") and not line.startswith(" "):
             in_entry = line.startswith("ENTRY")
-        m = re.search(r"=\s*(\w+)\[([\d,]*)\][^ ]*\s+copy\(", line)
+        m = re.search(r"=\s*(\w+)\[([\d,]*)\][^ ]*\s+(copy|transpose)\((%?[\w.-]*)", line)
         if m and m.group(2) and (entry or not in_entry):
+            if m.group(3) == "copy" and m.group(4).lstrip("%").startswith("transpose"):
+                continue  # the transpose it copies was counted
             elems = int(np.prod([int(d) for d in m.group(2).split(",")]))
             if elems >= layer_elems:
                 hits.append(line.strip()[:160])

@@ -351,7 +351,7 @@ class Eagle3Drafter(Drafter):
         q, k, v = _apply(self.arch, params["params"], "project", emb, h_in, positions)
         kc = transformer.write_rows(cache.k[0], k, cache.lengths)
         vc = transformer.write_rows(cache.v[0], v, cache.lengths)
-        mask = transformer.attention_mask(cache.lengths, kc.shape[1], jnp.broadcast_to(
+        mask = transformer.attention_mask(cache.lengths, cache.capacity, jnp.broadcast_to(
             tree_mask, (tokens.shape[0],) + tree_mask.shape[-2:]))
         attn = transformer.attend(q, kc, vc, mask)
         h = _apply(self.arch, params["params"], "finish", attn, h_in)
@@ -376,7 +376,7 @@ class Eagle3Drafter(Drafter):
     def init(self, params, prompt: PromptInfo, capacity: int):
         b, t = prompt.tokens.shape
         c = self.arch.cfg
-        shape = (b, capacity + self.num_draft_tokens + 2, c.num_kv_heads, c.head_dim)
+        shape = transformer.cache_shape(b, capacity + self.num_draft_tokens + 2, c.num_kv_heads, c.head_dim)
         cache = transformer.KVCache(k=(jnp.zeros(shape, jnp.float32),), v=(jnp.zeros(shape, jnp.float32),),
                                     lengths=jnp.zeros((b,), jnp.int32))
         g = _apply(self.arch, params["params"], "fuse", prompt.taps)  # [B, T, H]

@@ -213,8 +213,8 @@ def compact_cache(cache: KVCache, path: jax.Array, num_accepted: jax.Array) -> K
     num_accepted[b], node path[b, j] moves to slot lengths[b] + 1 + j; other slots are left as they are (they
     lie past the new length and will be overwritten). Lengths are unchanged: the engine advances them by
     1 + num_accepted afterwards. All sources are gathered before any write, so overlapping moves are safe.
-    Works for per-layer [B, S, KVH, HD] arrays and stacked [L, B, S, KVH, HD] ones (batch axis ndim - 4,
-    sequence axis ndim - 3). For a chain (path = 0, 1, ...) it rewrites every slot with its own contents.
+    Works for per-layer [B, KVH, S, HD] arrays and stacked [L, B, KVH, S, HD] ones (the axes come from
+    KVCache.batch_axis / seq_axis). For a chain (path = 0, 1, ...) it rewrites every slot with its own contents.
     """
     b, n = path.shape
     capacity = cache.capacity
@@ -225,7 +225,10 @@ def compact_cache(cache: KVCache, path: jax.Array, num_accepted: jax.Array) -> K
     rows = jnp.arange(b)[:, None]
 
     def move(x):
-        lead = (slice(None),) * (x.ndim - 4)
-        return x.at[lead + (rows, dst)].set(x[lead + (rows, src)], mode="drop")
+        def at(slots):  # index (row, slot) pairs; every other axis whole
+            index = [slice(None)] * x.ndim
+            index[KVCache.batch_axis(x)], index[KVCache.seq_axis(x)] = rows, slots
+            return tuple(index)
+        return x.at[at(dst)].set(x[at(src)], mode="drop")
 
     return dataclasses.replace(cache, k=jax.tree.map(move, cache.k), v=jax.tree.map(move, cache.v))

@@ -43,7 +43,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict:
 def random_cache(cfg: ModelConfig, lengths, capacity: int, seed: int = 1) -> transformer.KVCache:
     """A stacked cache full of random values (so stale slots past each row's length are not zeros)."""
     rng = np.random.default_rng(seed)
-    shape = (cfg.num_layers, len(lengths), capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, *transformer.cache_shape(len(lengths), capacity, cfg.num_kv_heads, cfg.head_dim))
     k = jnp.asarray(rng.standard_normal(shape, np.float32), cfg.jnp_dtype)
     v = jnp.asarray(rng.standard_normal(shape, np.float32), cfg.jnp_dtype)
     return transformer.KVCache(k=k, v=v, lengths=jnp.asarray(lengths, jnp.int32))
@@ -179,7 +179,7 @@ def check_dma_bytes_and_order(tr: it.Trace, cfg, lengths, capacity, T, params, p
     L, H, KVH, HD = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
     size = sch.itemsize(cfg.dtype)
     (w_key,) = tr.keys_with_shape((L, plan.num_subtiles, H, plan.subtile_cols), "hbm")
-    cache_keys = tr.keys_with_shape((L, len(lengths), capacity, KVH, HD), "hbm")
+    cache_keys = tr.keys_with_shape((L, *transformer.cache_shape(len(lengths), capacity, KVH, HD)), "hbm")
     (bank_key,) = tr.keys_with_shape((plan.num_banks, plan.subtiles_per_tile, H, plan.subtile_cols), "vmem")
     assert len(cache_keys) == 2
 
@@ -199,7 +199,8 @@ def check_dma_bytes_and_order(tr: it.Trace, cfg, lengths, capacity, T, params, p
     assert tr.bytes_from(cache_keys) == 2 * L * tiles * tk * KVH * HD * size
     assert tr.bytes_from(cache_keys) == sum(roofline.step_cost(cfg, 1, T, n, tk).kv_read_bytes for n in lengths)
     assert tr.bytes_to(cache_keys) == roofline.step_cost(cfg, len(lengths), T, 0, tk).kv_write_bytes
-    kv_reads = [(src, r[0], r[1], r[2].start) for src, r, _, _ in tr.copies if src in cache_keys]
+    seq = transformer.CACHE_SEQ_AXIS % 5  # (layer, row, KV heads, positions, HD)
+    kv_reads = [(src, r[0], r[1], r[seq].start) for src, r, _, _ in tr.copies if src in cache_keys]
     assert len(kv_reads) == len(set(kv_reads)) == 2 * L * tiles
     assert tr.bytes_to(cache_keys) == 2 * L * len(lengths) * T * KVH * HD * size
 

@@ -130,6 +130,66 @@ def test_family_flags_keep_step_consistency(flags):
     assert rel_err(jnp.concatenate([out.logits, out2.logits], 1), full) < 1e-5
 
 
+def test_cache_layout_is_head_major():
+    """[B, KVH, S, HD] per layer, [L, B, KVH, S, HD] stacked; the axis helpers name the same axes in both."""
+    cfg = tiny_config()
+    for stacked, lead in ((False, ()), (True, (cfg.num_layers,))):
+        cache = transformer.init_cache(cfg, 3, 40, stacked=stacked)
+        leaf = jax.tree.leaves(cache.k)[0]
+        assert leaf.shape == lead + (3, cfg.num_kv_heads, 40, cfg.head_dim)
+        assert leaf.shape[cache.batch_axis(leaf)] == 3 and leaf.shape[cache.seq_axis(leaf)] == 40
+        assert leaf.shape[cache.head_axis(leaf)] == cfg.num_kv_heads and cache.capacity == 40
+
+
+def test_write_rows_places_each_row_at_its_offset():
+    b, t, kvh, s, hd = 3, 4, 2, 16, 5
+    new = jnp.asarray(np.random.default_rng(0).standard_normal((b, t, kvh, hd)), jnp.float32)
+    lengths = jnp.array([0, 7, 14])  # the last row would run past the end: shifted back to slots 12..15
+    out = np.asarray(jax.jit(transformer.write_rows)(jnp.full((b, kvh, s, hd), -1.0), new, lengths))
+    want = np.full((b, kvh, s, hd), -1.0, np.float32)
+    for row, start in enumerate([0, 7, 12]):
+        want[row, :, start:start + t] = np.swapaxes(np.asarray(new[row]), 0, 1)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_attend_matches_per_head_reference():
+    """Grouped-query attention with the merged (group, token) query axis equals a per-query-head loop."""
+    b, t, nh, kvh, s, hd = 2, 3, 6, 2, 10, 8
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32)
+               for shape in ((b, t, nh, hd), (b, kvh, s, hd), (b, kvh, s, hd)))
+    mask = rng.random((b, t, s)) < 0.6
+    mask[..., 0] = True  # at least one visible slot per query
+    got = np.asarray(transformer.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask)))
+    want = np.zeros((b, t, nh, hd), np.float32)
+    for row in range(b):
+        for head in range(nh):
+            kv_head = head // (nh // kvh)
+            scores = q[row, :, head] @ k[row, kv_head].T / np.sqrt(hd)  # [T, S]
+            scores = np.where(mask[row], scores, -np.inf)
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            want[row, :, head] = (p / p.sum(-1, keepdims=True)) @ v[row, kv_head]
+    np.testing.assert_allclose(got, want.reshape(b, t, nh * hd), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA:CPU's compiled program")
+@pytest.mark.parametrize("batch,new_tokens", [(1, 1), (2, 1), (1, 4), (2, 4)])
+def test_compiled_step_does_not_copy_the_cache(batch, new_tokens):
+    """The jitted step with a donated cache updates it in place: no copy or transpose the size of a layer's cache
+    (with the old [B, S, KVH, HD] layout XLA:CPU re-laid out every layer's cache for attention on every step)."""
+    import re
+
+    target = random_target(tiny_config(), seed=3)
+    cache = target.init_cache(batch, CAPACITY)
+    step = jax.jit(lambda p, c, x: target.forward(p, target.cfg, c, x), donate_argnums=(1,))
+    text = step.lower(target.params, cache, jnp.ones((batch, new_tokens), jnp.int32)).compile().as_text()
+    cache_dims = sorted(d for d in cache.k[0].shape if d > 1)
+    hits = [line.strip() for line in text.splitlines()
+            if (m := re.search(r"= \w+\[([\d,]+)\]\S* (?:copy|transpose)\(", line))
+            and sorted(d for d in map(int, m.group(1).split(",")) if d > 1) == cache_dims]
+    assert not hits, hits[:3]
+
+
 def test_generate_batch_equals_single_and_stops_at_eos():
     target = random_target(tiny_config(), seed=11, scale=0.5)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]

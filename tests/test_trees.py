@@ -199,12 +199,12 @@ def test_select_dynamic_tree_rejects_too_many_nodes():
 # Cache compaction
 # ----------------------------------------------------------------------------------------------------------
 
-def labelled_cache(stacked: bool, lengths, b=4, s=12, layers=2, kvh=1, hd=2) -> KVCache:
+def labelled_cache(stacked: bool, lengths, b=4, s=12, layers=2, kvh=2, hd=2) -> KVCache:
     """A cache whose every entry names its own (layer, row, slot), so moves are easy to read back."""
     layer = np.arange(layers)[:, None, None, None, None]
     row = np.arange(b)[None, :, None, None, None]
-    slot = np.arange(s)[None, None, :, None, None]
-    k = np.broadcast_to(1000 * layer + 100 * row + slot, (layers, b, s, kvh, hd)).astype(np.float32)
+    slot = np.arange(s)[None, None, None, :, None]
+    k = np.broadcast_to(1000 * layer + 100 * row + slot, (layers, b, kvh, s, hd)).astype(np.float32)
     v = -k
     if stacked:
         return KVCache(k=jnp.array(k), v=jnp.array(v), lengths=jnp.array(lengths, jnp.int32))
@@ -212,10 +212,16 @@ def labelled_cache(stacked: bool, lengths, b=4, s=12, layers=2, kvh=1, hd=2) -> 
                    lengths=jnp.array(lengths, jnp.int32))
 
 
+def stacked_k(cache: KVCache) -> np.ndarray:
+    """K as [L, B, KVH, S, HD]; every KV head holds the same labels."""
+    k = np.stack(cache.k) if isinstance(cache.k, tuple) else np.asarray(cache.k)
+    np.testing.assert_array_equal(k, np.broadcast_to(k[:, :, :1], k.shape))  # heads moved together
+    return k
+
+
 def slots_of(cache: KVCache) -> np.ndarray:
     """Which original slot each entry came from: [L, B, S]."""
-    k = np.stack(cache.k) if isinstance(cache.k, tuple) else np.asarray(cache.k)
-    return k[..., 0, 0] % 100
+    return stacked_k(cache)[:, :, 0, :, 0] % 100
 
 
 @pytest.mark.parametrize("stacked", [False, True])
@@ -236,9 +242,9 @@ def test_compact_cache_golden(stacked):
         np.testing.assert_array_equal(got[layer], expected)
     np.testing.assert_array_equal(out.lengths, lengths)  # the engine advances them
     v = np.stack(out.v) if isinstance(out.v, tuple) else np.asarray(out.v)
-    np.testing.assert_array_equal((-v[..., 0, 0]) % 100, got)  # values move with their keys
-    k = np.stack(out.k) if isinstance(out.k, tuple) else np.asarray(out.k)
-    layer_of, row_of = k[..., 0, 0] // 1000, (k[..., 0, 0] % 1000) // 100
+    np.testing.assert_array_equal((-v[:, :, 0, :, 0]) % 100, got)  # values move with their keys
+    k = stacked_k(out)[:, :, 0, :, 0]
+    layer_of, row_of = k // 1000, (k % 1000) // 100
     np.testing.assert_array_equal(layer_of, np.broadcast_to(np.arange(2)[:, None, None], got.shape))  # no mixing
     np.testing.assert_array_equal(row_of, np.broadcast_to(np.arange(4)[None, :, None], got.shape))
 
@@ -286,11 +292,11 @@ def test_tree_verify_through_transformer_matches_chain():
     compacted = compact_cache(tree_out.cache, jnp.array(path), jnp.array(num_accepted)).advance(1 + num_accepted)
     reference = chain_out.cache.advance(1 + num_accepted)
     for got, want in ((compacted.k, reference.k), (compacted.v, reference.v)):
-        got, want = np.stack(got), np.stack(want)  # [L, B, S, KVH, HD]
+        got, want = np.stack(got), np.stack(want)  # [L, B, KVH, S, HD]
         for row in range(b):
             end = 6 if row == 0 else 4
             end += 1 + num_accepted[row]
-            np.testing.assert_allclose(got[:, row, :end], want[:, row, :end], **close)
+            np.testing.assert_allclose(got[:, row, :, :end], want[:, row, :, :end], **close)
 
     step = jnp.array(rng.integers(3, cfg.vocab_size, (b, 1)))
     np.testing.assert_allclose(step_fn(params, cfg, compacted, step).logits,

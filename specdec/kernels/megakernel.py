@@ -20,8 +20,9 @@ Inside the kernel (one grid-less pallas_call, `lax.fori_loop` over layers):
       h = rmsnorm(x)
       wait tile / matmul pieces / refill the bank with tile g + NB ...
       attention:  RoPE q, k -> VMEM; wait layer l-1's cache writes (the staging buffer is reused);
-                  per row b: stream the committed prefix [0, len_b) in kv_tile chunks (all KV heads per
-                  DMA), double-buffered (tile j+1's DMA in flight while tile j computes), online softmax;
+                  per row b: stream the committed prefix [0, len_b) in kv_tile chunks (one [KVH, kv_tile, HD]
+                  DMA per chunk: a contiguous [kv_tile, HD] slab per KV head of the [L, B, KVH, S, HD] cache),
+                  double-buffered (tile j+1's DMA in flight while tile j computes), online softmax;
                   then the T new tokens from VMEM under the tree mask; start the DMAs writing the new
                   K/V rows to cache slots len_b .. len_b+T-1 (waited one layer later)
       ... o-proj / mlp_norm / gate-up / act / down pieces ...
@@ -226,17 +227,17 @@ def _build_kernel(cfg: ModelConfig, plan: Plan, dims: Dims, bug: str | None):
             return pltpu.make_async_copy(w_hbm.at[layer, pl.ds(tile * K, K)], banks.at[bank], bank_sem.at[bank])
 
         def kv_copies(layer, b, j, slot):
-            """Cache positions [j*TK, (j+1)*TK) of row b, all KV heads -> K/V tile slot `slot`."""
+            """Cache positions [j*TK, (j+1)*TK) of row b, all KV heads ([KVH, TK, HD]) -> K/V tile slot `slot`."""
             rows = pl.ds(pl.multiple_of(j * TK, TK), TK)
-            return (pltpu.make_async_copy(k_hbm.at[layer, b, rows], kbuf.at[slot], kv_sem.at[0, slot]),
-                    pltpu.make_async_copy(v_hbm.at[layer, b, rows], vbuf.at[slot], kv_sem.at[1, slot]))
+            return (pltpu.make_async_copy(k_hbm.at[layer, b, :, rows], kbuf.at[slot], kv_sem.at[0, slot]),
+                    pltpu.make_async_copy(v_hbm.at[layer, b, :, rows], vbuf.at[slot], kv_sem.at[1, slot]))
 
         def write_copies(layer, b, start):
             """The T new K/V rows of row b (staging, VMEM) -> cache slots start .. start+T-1, all KV heads."""
             src = pl.ds(pl.multiple_of(b * Tp, Tp), T)
             dst = pl.ds(start, T)
-            return (pltpu.make_async_copy(kstage.at[src], k_hbm.at[layer, b, dst], w_sem.at[0]),
-                    pltpu.make_async_copy(vstage.at[src], v_hbm.at[layer, b, dst], w_sem.at[0]))
+            return (pltpu.make_async_copy(kstage.at[:, src], k_hbm.at[layer, b, :, dst], w_sem.at[0]),
+                    pltpu.make_async_copy(vstage.at[:, src], v_hbm.at[layer, b, :, dst], w_sem.at[0]))
 
         def wait_writes(num_layers=1):
             """Wait for `num_layers` layers' worth of cache writes (2 DMAs per row each)."""
@@ -274,10 +275,10 @@ def _build_kernel(cfg: ModelConfig, plan: Plan, dims: Dims, bug: str | None):
                 @pl.when(l > 0)
                 def _():
                     wait_writes()
-            kstage[...] = jnp.stack([head(Q + h * HD, "k_norm") for h in range(KVH)],
-                                    axis=1).astype(kstage.dtype)  # [N, KVH, HD]
-            vstage[...] = jnp.stack([qkv[:, Q + KV + h * HD:Q + KV + (h + 1) * HD] for h in range(KVH)],
-                                    axis=1).astype(vstage.dtype)  # [N, KVH, HD]
+            # [KVH, N, HD], head-major like the cache, so each row's write is one [KVH, T, HD] DMA
+            kstage[...] = jnp.stack([head(Q + h * HD, "k_norm") for h in range(KVH)]).astype(kstage.dtype)
+            vstage[...] = jnp.stack([qkv[:, Q + KV + h * HD:Q + KV + (h + 1) * HD]
+                                     for h in range(KVH)]).astype(vstage.dtype)
 
             def online(state, scores, vals):
                 m, lsum, acc = state
@@ -306,13 +307,13 @@ def _build_kernel(cfg: ModelConfig, plan: Plan, dims: Dims, bug: str | None):
                     def _():
                         start(kv_copies(l, nxt, 0, 1 - slot))
                     wait(kv_copies(l, b, j, slot))
-                    kt, vt = kbuf[slot], vbuf[slot]  # [TK, KVH, HD]
+                    kt, vt = kbuf[slot], vbuf[slot]  # [KVH, TK, HD]
                     pos = j * TK + lax.broadcasted_iota(jnp.int32, (1, TK), 1)
                     out = []
                     for h in range(KVH):
-                        scores = _mm_nt(q[h], kt[:, h, :])  # [G*Tp, TK]
+                        scores = _mm_nt(q[h], kt[h])  # [G*Tp, TK]
                         scores = jnp.where(pos < length, scores, NEG)  # only the committed prefix
-                        out.append(online(states[h], scores, vt[:, h, :]))
+                        out.append(online(states[h], scores, vt[h]))
                     return tuple(out)
 
                 init = (jnp.full((G * Tp, 1), NEG, jnp.float32), jnp.zeros((G * Tp, 1), jnp.float32),
@@ -321,9 +322,9 @@ def _build_kernel(cfg: ModelConfig, plan: Plan, dims: Dims, bug: str | None):
                 # the new tokens themselves, from VMEM, under the tree mask
                 bias = v["bias"][rows, :]
                 bias = jnp.concatenate([bias] * G, axis=0)
-                kn, vn = kstage[rows], vstage[rows]  # [Tp, KVH, HD]
+                kn, vn = kstage[:, rows], vstage[:, rows]  # [KVH, Tp, HD]
                 for h in range(KVH):
-                    _, lsum, acc = online(states[h], _mm_nt(q[h], kn[:, h, :]) + bias, vn[:, h, :])
+                    _, lsum, acc = online(states[h], _mm_nt(q[h], kn[h]) + bias, vn[h])
                     out = acc / lsum
                     for g in range(G):
                         attn_scr[rows, pl.ds((h * G + g) * HD, HD)] = out[g * Tp:(g + 1) * Tp]
@@ -412,7 +413,7 @@ def megakernel_call(cfg: ModelConfig, plan: Plan, dims: Dims, *, interpret: Any,
     Q, KV, NH, KVH = cfg.q_size, cfg.kv_size, cfg.num_heads, cfg.num_kv_heads
     N, B, L, S = dims.rows(cfg), dims.batch, cfg.num_layers, dims.capacity
     wdt, cdt, f32 = cfg.jnp_dtype, jnp.dtype(cache_dtype or cfg.jnp_dtype), jnp.float32
-    cache_shape = jax.ShapeDtypeStruct((L, B, S, KVH, HD), cdt)
+    cache_shape = jax.ShapeDtypeStruct((L, *transformer.cache_shape(B, S, KVH, HD)), cdt)  # [L, B, KVH, S, HD]
     out_shape = [jax.ShapeDtypeStruct((N, H), f32)]
     out_specs = [pl.BlockSpec(memory_space=pltpu.VMEM)]
     if dims.num_taps:
@@ -433,10 +434,10 @@ def megakernel_call(cfg: ModelConfig, plan: Plan, dims: Dims, *, interpret: Any,
         pltpu.VMEM((N, Q), f32),  # attention output
         pltpu.VMEM((N, F), f32),  # gate, then silu(gate) * up
         pltpu.VMEM((N, F), f32),  # up
-        pltpu.VMEM((N, KVH, HD), cdt),  # new K rows (staging for the cache write)
-        pltpu.VMEM((N, KVH, HD), cdt),  # new V rows
-        pltpu.VMEM((2, plan.kv_tile, KVH, HD), cdt),  # K tiles (double buffer)
-        pltpu.VMEM((2, plan.kv_tile, KVH, HD), cdt),  # V tiles
+        pltpu.VMEM((KVH, N, HD), cdt),  # new K rows (staging for the cache write)
+        pltpu.VMEM((KVH, N, HD), cdt),  # new V rows
+        pltpu.VMEM((2, KVH, plan.kv_tile, HD), cdt),  # K tiles (double buffer)
+        pltpu.VMEM((2, KVH, plan.kv_tile, HD), cdt),  # V tiles
         pltpu.SemaphoreType.DMA((2, 2)),  # [k/v, slot]
         pltpu.SemaphoreType.DMA((1,)),  # cache writes
     ]

@@ -314,10 +314,10 @@ def vmem_buffers(cfg: ModelConfig, plan: Plan, dims: Dims) -> dict[str, tuple[tu
         "attention out": ((N, Q), "float32"),
         "gate / act": ((N, F), "float32"),
         "up": ((N, F), "float32"),
-        "new k (staging)": ((N, KVH, HD), wdt),
-        "new v (staging)": ((N, KVH, HD), wdt),
-        "k tiles": ((2, plan.kv_tile, KVH, HD), wdt),
-        "v tiles": ((2, plan.kv_tile, KVH, HD), wdt),
+        "new k (staging)": ((KVH, N, HD), wdt),  # per KV head, like the [L, B, KVH, S, HD] cache
+        "new v (staging)": ((KVH, N, HD), wdt),
+        "k tiles": ((2, KVH, plan.kv_tile, HD), wdt),
+        "v tiles": ((2, KVH, plan.kv_tile, HD), wdt),
     }
     if cfg.attention_bias:
         bufs["qkv bias (all layers)"] = ((L, Q + 2 * KV), wdt)

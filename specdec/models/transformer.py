@@ -89,19 +89,48 @@ def stack_layers(params: Params) -> Params:
 # KV cache
 # ----------------------------------------------------------------------------------------------------------
 
+# The cache layout is [B, KVH, S, HD] per layer and [L, B, KVH, S, HD] stacked: each (row, KV head) owns a
+# contiguous [S, HD] slab. Attention for one (row, KV head) is then two plain 2D matmuls over that slab with no
+# relayout; with the sequence axis outside the heads ([B, S, KVH, HD]) XLA:CPU re-materialised every layer's
+# cache in the dots' operand layout on every step (docs/BENCHMARKS.md). It is also the natural TPU layout
+# (the megakernel DMAs [KVH, kv_tile, HD] tiles). Counted from the end, the axes are the same in both layouts;
+# use these (or the KVCache helpers) instead of hard-coding positions.
+CACHE_BATCH_AXIS = -4
+CACHE_HEAD_AXIS = -3  # KV heads: what a mesh shards for tensor parallelism
+CACHE_SEQ_AXIS = -2
+
+
+def cache_shape(batch_size: int, capacity: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """Shape of one layer's K (or V) cache: [B, KVH, S, HD]."""
+    return (batch_size, num_kv_heads, capacity, head_dim)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
     """Preallocated keys and values plus the number of valid positions in each row.
 
-    `k` and `v` are tuples of per-layer arrays [B, S, KVH, HD] (reference backend) or single stacked arrays
-    [L, B, S, KVH, HD] (scan / megakernel). In both layouts the sequence axis is `ndim - 3` and the batch
-    axis `ndim - 4`, which is all that cache utilities (compaction, row reset) need to know.
+    `k` and `v` are tuples of per-layer arrays [B, KVH, S, HD] (reference backend) or single stacked arrays
+    [L, B, KVH, S, HD] (scan / megakernel). In both layouts the batch axis is `ndim - 4`, the KV-head axis
+    `ndim - 3` and the sequence axis `ndim - 2` (CACHE_*_AXIS; `batch_axis(leaf)` etc. give them as
+    non-negative ints), which is all that cache utilities (compaction, row reset, sharding) need to know.
     """
 
     k: Any
     v: Any
     lengths: jax.Array  # int32 [B]
+
+    @staticmethod
+    def batch_axis(leaf: jax.Array) -> int:
+        return leaf.ndim + CACHE_BATCH_AXIS
+
+    @staticmethod
+    def head_axis(leaf: jax.Array) -> int:
+        return leaf.ndim + CACHE_HEAD_AXIS
+
+    @staticmethod
+    def seq_axis(leaf: jax.Array) -> int:
+        return leaf.ndim + CACHE_SEQ_AXIS
 
     @property
     def batch_size(self) -> int:
@@ -110,7 +139,7 @@ class KVCache:
     @property
     def capacity(self) -> int:
         leaf = jax.tree.leaves(self.k)[0]
-        return leaf.shape[leaf.ndim - 3]
+        return leaf.shape[self.seq_axis(leaf)]
 
     def advance(self, num_new: jax.Array) -> "KVCache":
         """Commit `num_new` [B] (or a scalar) of the positions just written by `forward`."""
@@ -123,7 +152,7 @@ class KVCache:
 def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, stacked: bool = False,
                dtype=None) -> KVCache:
     dtype = dtype or cfg.jnp_dtype
-    shape = (batch_size, capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = cache_shape(batch_size, capacity, cfg.num_kv_heads, cfg.head_dim)
     if stacked:
         k = jnp.zeros((cfg.num_layers, *shape), dtype)
         v = jnp.zeros((cfg.num_layers, *shape), dtype)
@@ -192,25 +221,48 @@ def attention_mask(lengths: jax.Array, capacity: int, tree_mask: jax.Array) -> j
 
 
 def write_rows(cache_layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Write new [B, T, KVH, HD] into cache [B, S, KVH, HD] at each row's own offset (in place under jit)."""
-    def one_row(c, n, start):
-        return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (start, 0, 0))
-    return jax.vmap(one_row)(cache_layer, new, lengths)
+    """Write new [B, T, KVH, HD] into cache [B, KVH, S, HD] at each row's own offset (in place under jit).
+
+    A write that would run past the end is shifted back to fit (dynamic_update_slice's rule, which the
+    megakernel mirrors). Written as one scatter of B*KVH*T rows of HD values, which XLA:CPU performs in place on
+    the donated buffer. Not a dynamic_update_slice: at B=1, T=1 (plain decode) XLA fuses a copy of the
+    dynamic_update_slice into the attention dot's operand and then copies every layer's cache to keep both
+    (4 cache-sized copies per layer); a (vmapped) scatter with a single index is rewritten into exactly that.
+    Indexing each KV head separately keeps at least KVH indices, so the scatter stays a scatter.
+    """
+    b, t, kvh, _ = new.shape
+    capacity = cache_layer.shape[CACHE_SEQ_AXIS]
+    if t > capacity:  # static; the scatter below promises in-bounds indices
+        raise ValueError(f"cannot write {t} new positions into a cache of capacity {capacity}")
+    start = jnp.clip(lengths, 0, capacity - t)
+    slots = start[:, None, None] + jnp.arange(t, dtype=start.dtype)[None, None, :]  # [B, 1, T]
+    rows = jnp.arange(b)[:, None, None]
+    heads = jnp.arange(kvh)[None, :, None]
+    return cache_layer.at[rows, heads, slots].set(jnp.swapaxes(new, 1, 2).astype(cache_layer.dtype),
+                                                  mode="promise_in_bounds", unique_indices=True)
 
 
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention of new queries over the whole (already updated) cache.
 
-    q: [B, T, NH, HD]; caches: [B, S, KVH, HD]; mask: [B, T, S]. Returns [B, T, NH*HD].
+    q: [B, T, NH, HD]; caches: [B, KVH, S, HD]; mask: [B, T, S]. Returns [B, T, NH*HD].
+
+    The G query heads sharing a KV head and the T new tokens are merged into one axis of G*T query rows, so
+    each (row, KV head) is one [G*T, HD] x [HD, S] matmul against its contiguous [S, HD] key slab and one
+    [G*T, S] x [S, HD] matmul against the value slab; only the small query / output blocks are transposed.
+    Scores, softmax and the value accumulation are float32.
     """
     b, t, nh, hd = q.shape
-    kvh = k_cache.shape[2]
-    q = q.reshape(b, t, kvh, nh // kvh, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(hd))
+    kvh, s = k_cache.shape[1], k_cache.shape[2]
+    g = nh // kvh
+    # [B, T, KVH*G, HD] -> [B, KVH, G*T, HD]: query head kvh*G + g is the g-th head of KV head kvh
+    qm = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qm, k_cache, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, kvh, g, t, s) * (1.0 / math.sqrt(hd))
     scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(b, kvh, g * t, s)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v_cache, preferred_element_type=jnp.float32)
+    out = out.reshape(b, kvh, g, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, KVH, G, HD]
     return out.reshape(b, t, nh * hd).astype(q.dtype)
 
 
