@@ -15,7 +15,7 @@ from typing import Callable
 _FACTORIES: dict[str, Callable] = {}
 # Modules that register drafters, imported on first use (so importing `drafters` stays cheap).
 _MODULES = ("drafters.ngram", "drafters.draft_lm", "drafters.suffix", "drafters.eagle3", "drafters.medusa",
-            "drafters.distilled_lm")
+            "drafters.distilled_lm", "drafters.dflash", "drafters.dspark")
 
 
 def register(name: str):

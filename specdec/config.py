@@ -141,10 +141,11 @@ class VerifyConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """`scheduler:` how many tokens to draft each round."""
+    """`scheduler:` how many of each row's draft tokens the target verifies each round (specdec/scheduling.py;
+    threshold and prefix need a drafter with draft confidences: dflash, dspark)."""
     kind: Literal["fixed", "threshold", "prefix"] = "fixed"
-    threshold: float = 0.5  # "threshold": stop drafting when the draft probability falls below this
-    profile_path: str | None = None  # a measured acceptance profile, for profile-driven schedules
+    threshold: float = 0.5  # "threshold": verify slot j while the prefix-survival confidence a_j >= this
+    profile_path: str | None = None  # "prefix": JSON cache of the measured SPS(token batch) profile
 
     def __post_init__(self):
         _require(0 <= self.threshold <= 1, "threshold", f"must be in [0, 1], got {self.threshold!r}")

@@ -62,6 +62,7 @@ class LoopSpec:
     policy: Any
     sampling: SamplingParams
     eos_ids: tuple[int, ...]
+    scheduler: Any = None  # specdec.scheduling.Scheduler, or None: verify every drafted token
 
 
 def write_tokens(seq: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
@@ -76,6 +77,8 @@ def _context(state: LoopState) -> RoundContext:
 def propose(spec: LoopSpec, dparams, state: LoopState):
     key, sub = jax.random.split(state.key)
     draft, dstate = spec.drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, sub)
+    if spec.scheduler is not None:  # per-row verify lengths: nodes past them become invalid
+        draft = spec.scheduler.apply(draft, spec.drafter.draft_confidence(dstate), ~state.done)
     return draft, dataclasses.replace(state, drafter_state=dstate, key=key)
 
 
@@ -174,8 +177,11 @@ class SpecOutput:
 def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
                          policy: str = "greedy_chain", max_new_tokens: int = 64,
                          sampling: SamplingParams = GREEDY, seed: int = 0, compiled: bool | None = None,
-                         max_seq_len: int | None = None, warmup: bool = False) -> SpecOutput:
+                         max_seq_len: int | None = None, warmup: bool = False, scheduler=None) -> SpecOutput:
     """Speculative decoding of a batch of token-id prompts with any drafter and verification policy.
+
+    `scheduler` (a `specdec.scheduling.Scheduler`) chooses each row's verify length per round from the drafter's
+    `draft_confidence`; None verifies every drafted token.
 
     `warmup=True` first runs the same compiled programs for one round (untimed), so the reported times
     exclude compilation.
@@ -184,6 +190,10 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     if drafter.kind == "tree" and not pol.supports_trees:
         raise ValueError(f"policy {policy!r} verifies chains only, but drafter {drafter.name!r} proposes trees; "
                          "use greedy_tree, multidraft_tree or typical")
+    if scheduler is not None and scheduler.needs_confidence:
+        if drafter.kind != "chain" or not hasattr(drafter, "draft_confidence"):
+            raise ValueError(f"scheduler {scheduler.kind!r} needs a chain drafter with draft confidences "
+                             f"(dflash, dspark); drafter {drafter.name!r} has none")
     compiled = drafter.jittable if compiled is None else compiled
     if compiled and not drafter.jittable:
         raise ValueError(f"drafter {drafter.name!r} keeps Python state and cannot run in the compiled loop")
@@ -191,7 +201,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     n = drafter.num_draft_tokens
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
     spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
-                    eos_ids=tuple(target.eos_token_ids))
+                    eos_ids=tuple(target.eos_token_ids), scheduler=scheduler)
     pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     tokens, lengths = pad_prompts(prompts, pad)
     capacity = cache_capacity(lengths, max_new_tokens, extra=n + 1)

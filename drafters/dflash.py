@@ -1,0 +1,511 @@
+"""DFlash: a parallel block drafter. One bidirectional forward over [anchor, MASK x (g-1)] drafts a block of g
+tokens, conditioned on the target's fused hidden states injected as keys/values into every draft layer.
+
+Network (pure JAX; the draft layers have the target's widths and use its layer code's building blocks):
+    ctx_p   = RMSNorm(fc(concat(taps_p)))        taps after target layers spaced from 1 to L-3 (never the last)
+    x       = embed([anchor, MASK, ..., MASK])    the frozen target embedding, RoPE positions anchor_pos + j
+    layer:  q, k, v from RMSNorm(x) as in a Llama block; the keys/values are concat(Wk ctx, Wk x) ("KV
+            injection": the same ctx at every layer, through each layer's own Wk/Wv), attention bidirectional
+            inside the block, over the context only at positions strictly before the anchor
+    logits  = lm_head(RMSNorm(x))                 the frozen target lm_head
+Layout ("anchor predicts next", the one convention of `specdec.train.tasks`): slot j of a block anchored at
+position a predicts token a + j + 1, so a block of g slots gives g drafts and, with the anchor (the engine's
+root), g + 1 verified tokens.
+
+Training (`DFlashTask`, the shared loop): N anchors per sequence sampled inside the response; every block sees
+the context strictly before its own anchor (original positions, not block ids) and its own slots, never another
+block; CE against the target-generated tokens weighted exp(-j / decay), the loss mask read at the LABEL position
+and multiplied cumulatively along the block. The training forward and the inference forward are the same
+function (`block_forward`) with different anchors/visibility, which `tests/test_dflash.py` checks numerically.
+
+Inference (`DFlashDrafter`): the draft keeps a K/V cache of context positions only (`transformer.init_cache` /
+`write_rows`, per draft layer); each round runs ONE block forward at the root, and `update` appends the
+context K/V of the root and the accepted tokens (the verify step's taps), cropping the rest by length.
+`draft_confidence` (for `specdec.scheduling`) is the prefix product of max_v q_j(v): it depends on the context
+only, never on a sampled draft token, so every scheduler stays lossless with it.
+
+`drafters/dspark.py` builds on this file (Markov head + confidence head) through the `head` hooks below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from drafters import register
+from specdec.drafter import Drafter, PromptInfo, RoundContext
+from specdec.models import transformer
+from specdec.models.config import ModelConfig
+from specdec.sampling import probabilities, sample
+from specdec.train import tasks as T
+from specdec.train.checkpoint import check_target, load_drafter
+from specdec.verify import Draft
+
+NAME = "dflash"
+MASK_TOKEN_NAME = "<empty_output>"  # SmolLM2: id 16, never produced in chat data
+
+
+def default_taps(num_layers: int, count: int = 5) -> tuple[int, ...]:
+    """`count` taps spaced evenly from layer 1 to L-3 (never the last layer), deduplicated."""
+    hi = max(num_layers - 3, 1)
+    return tuple(sorted({round(float(x)) for x in np.linspace(1, hi, count)}))
+
+
+def default_mask_id(target) -> int:
+    """The tokenizer's `<empty_output>` if it has one, else the last vocabulary id."""
+    tok = getattr(target, "tokenizer", None)
+    found = tok.backend.token_to_id(MASK_TOKEN_NAME) if tok is not None else None
+    return int(found) if found is not None else target.cfg.vocab_size - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockArch:
+    """Static shape of a block drafter (hashable; part of the compiled programs' keys)."""
+
+    cfg: ModelConfig  # the draft layers: the target's widths, `num_layers` draft layers, float32
+    taps: tuple[int, ...]
+    block_size: int  # g: slots per block = drafts per round at most
+    mask_id: int
+    markov_rank: int = 0  # DSpark's low-rank Markov head (0: none, plain DFlash)
+
+    @classmethod
+    def build(cls, target_cfg: ModelConfig, *, num_layers: int = 2, taps=None, block_size: int = 7,
+              mask_token_id: int = -1, intermediate_size: int | None = None, markov_rank: int = 0) -> BlockArch:
+        taps = tuple(int(t) for t in taps) if taps else default_taps(target_cfg.num_layers)
+        bad = [t for t in taps if not 0 <= t <= target_cfg.num_layers]
+        if bad:
+            raise ValueError(f"block drafter taps {bad} outside [0, {target_cfg.num_layers}]")
+        if num_layers < 1 or block_size < 1:
+            raise ValueError(f"num_layers and block_size must be >= 1, got {num_layers}, {block_size}")
+        if not 0 <= mask_token_id < target_cfg.vocab_size:
+            raise ValueError(f"mask_token_id must be in [0, {target_cfg.vocab_size}), got {mask_token_id}")
+        cfg = target_cfg.replace(num_layers=int(num_layers), dtype="float32", name=f"block[{target_cfg.name}]",
+                                 intermediate_size=int(intermediate_size or target_cfg.intermediate_size))
+        return cls(cfg=cfg, taps=taps, block_size=int(block_size), mask_id=int(mask_token_id),
+                   markov_rank=int(markov_rank))
+
+    def to_config(self) -> dict:
+        return {"num_layers": self.cfg.num_layers, "taps": list(self.taps), "block_size": self.block_size,
+                "mask_token_id": self.mask_id, "intermediate_size": self.cfg.intermediate_size}
+
+
+def target_head(target) -> jax.Array:
+    """The target's output projection as [H, V] (frozen, shared with the drafter)."""
+    p = target.params
+    return jnp.asarray(p["embed"]).T if target.cfg.tie_word_embeddings else jnp.asarray(p["lm_head"])
+
+
+def numpy_rng(key: jax.Array) -> np.random.Generator:
+    """A NumPy generator seeded by a JAX key. Initialisation draws with NumPy: on XLA:CPU every distinct shape
+    drawn with jax.random costs a compilation (seconds), and these weights are drawn once."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return np.random.default_rng(np.asarray(key, np.uint32).ravel().tolist())
+
+
+def init_backbone(arch: BlockArch, key: jax.Array, final_norm) -> dict:
+    """Trainable backbone weights: fc, its norm, the draft layers (stacked, the target's layer layout and
+    `transformer.layer_param_shapes`; norms at 1, matrices N(0, 0.02^2)), the output norm (from the target's)."""
+    c = arch.cfg
+    rng = numpy_rng(key)
+    normal = lambda shape: jnp.asarray(0.02 * rng.standard_normal(shape), jnp.float32)
+    layers = {name: jnp.ones((c.num_layers, *shape), jnp.float32) if name.endswith("norm")
+              else normal((c.num_layers, *shape)) for name, shape in transformer.layer_param_shapes(c).items()}
+    return {"fc": normal((len(arch.taps) * c.hidden_size, c.hidden_size)),
+            "ctx_norm": jnp.ones((c.hidden_size,), jnp.float32),
+            "layers": layers,
+            "final_norm": jnp.asarray(final_norm, jnp.float32)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The forward pass, shared by training and inference
+# ---------------------------------------------------------------------------------------------------------
+
+def fuse_context(arch: BlockArch, p: dict, taps: jax.Array) -> jax.Array:
+    """taps [n_taps, B, T, H] -> ctx [B, T, H] = RMSNorm(fc(concat(taps)))."""
+    x = jnp.concatenate([t.astype(jnp.float32) for t in taps], axis=-1)
+    return transformer.rms_norm(x @ p["fc"], p["ctx_norm"], arch.cfg.rms_norm_eps)
+
+
+def _layer(p: dict, i: int) -> dict:
+    return {k: v[i] for k, v in p["layers"].items()}
+
+
+def _project(c: ModelConfig, w: dict, x: jax.Array, names: str):
+    """The q/k/v projections of one layer (bias, qk-norm as the target), un-roped: [..., heads, HD]."""
+    out = []
+    for n in names:
+        y = x @ w[f"w{n}"]
+        if c.attention_bias:
+            y = y + w[f"b{n}"]
+        heads = c.num_heads if n == "q" else c.num_kv_heads
+        y = y.reshape(y.shape[:-1] + (heads, c.head_dim))
+        if c.qk_norm and n in "qk":
+            y = transformer.rms_norm(y, w[f"{n}_norm"], c.rms_norm_eps)
+        out.append(y)
+    return out
+
+
+def _rope(c: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """RoPE for x [B, ..., heads, HD] at positions [B, ...] (any number of middle axes)."""
+    lead = x.shape[:-2]
+    flat = x.reshape((lead[0], -1) + x.shape[-2:])
+    cos, sin = transformer.rope_tables(c, positions.reshape(lead[0], -1))
+    return transformer.apply_rope(flat, cos, sin).reshape(x.shape)
+
+
+def context_kv(arch: BlockArch, p: dict, ctx: jax.Array, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+    """Per draft layer, the injected keys/values of context features ctx [B, T, H] at `positions` [B, T]:
+    (Wk ctx with RoPE, Wv ctx), each [B, T, KVH, HD] (the `write_rows` input layout)."""
+    out = []
+    for i in range(arch.cfg.num_layers):
+        k, v = _project(arch.cfg, _layer(p, i), ctx, "kv")
+        out.append((_rope(arch.cfg, k, positions), v))
+    return out
+
+
+def _as_cache(x: jax.Array) -> jax.Array:
+    """[B, T, KVH, HD] -> the KV-cache layout (`transformer.cache_shape`), through the cache's own writer."""
+    b, t, kvh, hd = x.shape
+    return transformer.write_rows(jnp.zeros(transformer.cache_shape(b, t, kvh, hd), x.dtype), x,
+                                  jnp.zeros((b,), jnp.int32))
+
+
+def _to_bkvsd(cache_leaf: jax.Array) -> jax.Array:
+    """A cache leaf as [B, KVH, S, HD] whatever the cache layout (a no-op for the current one)."""
+    return jnp.moveaxis(cache_leaf, transformer.KVCache.seq_axis(cache_leaf), 2)
+
+
+def block_attention(q, kb, vb, ctx_k, ctx_v, ctx_ok):
+    """Attention of block queries over (visible context keys) + (all keys of their own block).
+
+    q [B, N, G, NH, HD]; kb/vb [B, N, G, KVH, HD] (the N blocks' own keys); ctx_k/ctx_v [B, KVH, S, HD];
+    ctx_ok bool [B, N, S] which context slots block n may see. Returns [B, N, G, NH*HD]. float32 scores.
+    """
+    b, n, g, nh, hd = q.shape
+    kvh = kb.shape[3]
+    qg = q.reshape(b, n, g, kvh, nh // kvh, hd)
+    scale = 1.0 / math.sqrt(hd)
+    s_ctx = jnp.einsum("bnikrd,bksd->bnkris", qg, ctx_k, preferred_element_type=jnp.float32) * scale
+    s_ctx = jnp.where(ctx_ok[:, :, None, None, None, :], s_ctx, -1e30)
+    s_blk = jnp.einsum("bnikrd,bnjkd->bnkrij", qg, kb, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+    s = s_ctx.shape[-1]
+    out = jnp.einsum("bnkris,bksd->bnikrd", probs[..., :s], ctx_v, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bnkrij,bnjkd->bnikrd", probs[..., s:], vb, preferred_element_type=jnp.float32)
+    return out.reshape(b, n, g, nh * hd)
+
+
+def block_forward(arch: BlockArch, p: dict, embed: jax.Array, block_tokens: jax.Array, block_pos: jax.Array,
+                  ctx_kv: list, ctx_ok: jax.Array) -> jax.Array:
+    """The draft layers over N blocks per row: block_tokens/block_pos int32 [B, N, G]; ctx_kv per layer
+    (k, v) in the cache layout [.., S, ..]; ctx_ok [B, N, S]. Returns the normed hidden states [B, N, G, H]
+    (what the lm_head reads)."""
+    c = arch.cfg
+    x = embed[block_tokens].astype(jnp.float32)
+    for i in range(c.num_layers):
+        w = _layer(p, i)
+        h = transformer.rms_norm(x, w["attn_norm"], c.rms_norm_eps)
+        q, k, v = _project(c, w, h, "qkv")
+        q, k = _rope(c, q, block_pos), _rope(c, k, block_pos)
+        ck, cv = ctx_kv[i]
+        x = x + block_attention(q, k, v, _to_bkvsd(ck), _to_bkvsd(cv), ctx_ok) @ w["wo"]
+        h = transformer.rms_norm(x, w["mlp_norm"], c.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+    return transformer.rms_norm(x, p["final_norm"], c.rms_norm_eps)
+
+
+def block_inputs(arch: BlockArch, tokens: jax.Array, anchors: jax.Array):
+    """Block tokens [anchor, MASK...] and positions anchor + j for anchors [B, N] into tokens [B, T]:
+    (block_tokens [B, N, G], block_pos [B, N, G], prev [B, N, G]) where prev[.., j] = x_{anchor + j} (the
+    teacher-forced previous token of slot j: the anchor at j = 0)."""
+    g = arch.block_size
+    j = jnp.arange(g, dtype=jnp.int32)
+    pos = anchors[..., None] + j  # [B, N, G]
+    anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
+    block = jnp.where(j == 0, anchor_tok[..., None], arch.mask_id).astype(jnp.int32)
+    t = tokens.shape[1]
+    prev = jnp.take_along_axis(tokens[:, None, :], jnp.clip(pos, 0, t - 1), axis=2)
+    return block, pos.astype(jnp.int32), prev
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training task
+# ---------------------------------------------------------------------------------------------------------
+
+def block_labels(batch: dict, anchors: jax.Array, anchor_ok: jax.Array, g: int):
+    """Labels x_{a+j+1} [B, N, G] and their mask: the loss mask read at the LABEL position (inside the example),
+    multiplied cumulatively along the block (a slot counts only if every earlier label is a response token)."""
+    tokens, mask = batch["tokens"], batch["loss_mask"].astype(bool)
+    t = tokens.shape[1]
+    lab_pos = anchors[..., None] + 1 + jnp.arange(g)  # [B, N, G]
+    inside = lab_pos < batch["lengths"][:, None, None]
+    idx = jnp.clip(lab_pos, 0, t - 1)
+    labels = jnp.take_along_axis(tokens[:, None, :], idx, axis=2)
+    ok = inside & jnp.take_along_axis(mask[:, None, :], idx, axis=2) & anchor_ok[..., None]
+    ok = jnp.cumprod(ok.astype(jnp.int32), axis=-1).astype(bool)
+    return labels, ok
+
+
+def sample_anchors(batch: dict, num_anchors: int, key: jax.Array):
+    """Up to `num_anchors` distinct anchors per row, uniformly among positions a >= 1 whose first label x_{a+1}
+    is a response token inside the example. Returns (anchors int32 [B, N] sorted, anchor_ok bool [B, N])."""
+    mask = batch["loss_mask"].astype(bool)
+    b, t = mask.shape
+    pos = jnp.arange(t)[None, :]
+    nxt = jnp.concatenate([mask[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
+    valid = nxt & (pos >= 1) & (pos + 1 < batch["lengths"][:, None])
+    n = min(num_anchors, t)
+    score = jnp.where(valid, jax.random.uniform(key, (b, t)), -1.0)
+    top, idx = jax.lax.top_k(score, n)
+    order = jnp.argsort(idx, axis=1)
+    return (jnp.take_along_axis(idx, order, 1).astype(jnp.int32),
+            jnp.take_along_axis(top, order, 1) >= 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashTask:
+    """The training side of DFlash (see the module docstring)."""
+
+    arch: BlockArch
+    num_anchors: int = 16
+    position_decay: float = 4.0  # slot weight exp(-j / decay)
+    eval_chunk: int = 64  # anchors per chunk in the all-anchors evaluation
+    target: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    name = NAME
+    needs_target_logits = False
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.arch.taps
+
+    @property
+    def max_eval_steps(self) -> int:
+        return self.arch.block_size
+
+    def config(self) -> dict:
+        return {**self.arch.to_config(), "num_anchors": self.num_anchors, "position_decay": self.position_decay}
+
+    def init(self, key, token_counts: np.ndarray):
+        del token_counts
+        return {"backbone": init_backbone(self.arch, key, self.target.params["final_norm"])}, {}
+
+    def frozen(self, target) -> dict:
+        return {"embed": target.params["embed"], "head": target_head(target)}
+
+    # -- heads (DSpark overrides these) -------------------------------------------------------------------
+    def slot_logits(self, params, consts, hidden, prev):
+        """Draft logits [..., V] of slots with normed hidden `hidden` and previous tokens `prev`."""
+        return jnp.einsum("...h,hv->...v", hidden, consts["head"], preferred_element_type=jnp.float32)
+
+    def slot_loss(self, params, consts, hidden, prev, labels, target_logits):
+        """Per-slot loss [B, N, G] and metrics-to-average {name: [B, N, G]}."""
+        logits = self.slot_logits(params, consts, hidden, prev)
+        ce = T.hard_cross_entropy(logits, labels)
+        return ce, {"ce": ce, "acc": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
+
+    # -- shared machinery ---------------------------------------------------------------------------------
+    def forward(self, params, consts, tokens, taps, anchors):
+        """Hidden [B, N, G, H] and teacher-forced previous tokens [B, N, G] for blocks at `anchors` [B, N]."""
+        p = params["backbone"]
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        ctx = fuse_context(self.arch, p, taps)
+        ctx_kv = [(_as_cache(k), _as_cache(v)) for k, v in context_kv(self.arch, p, ctx, positions)]
+        block, pos, prev = block_inputs(self.arch, tokens, anchors)
+        ctx_ok = jnp.arange(t)[None, None, :] < anchors[..., None]  # strictly before the anchor
+        return block_forward(self.arch, p, consts["embed"], block, pos, ctx_kv, ctx_ok), prev
+
+    def _weights(self, ok):
+        g = self.arch.block_size
+        return ok.astype(jnp.float32) * jnp.exp(-jnp.arange(g, dtype=jnp.float32) / self.position_decay)
+
+    def _target_at(self, feats, anchors):
+        """Target logits at positions anchor + j ([B, N, G, V]: the distribution of label j), or None."""
+        if feats.logits is None:
+            return None
+        t = feats.logits.shape[1]
+        idx = jnp.clip(anchors[..., None] + jnp.arange(self.arch.block_size), 0, t - 1)
+        b, n, g = idx.shape
+        out = jnp.take_along_axis(feats.logits, idx.reshape(b, n * g)[..., None], axis=1)
+        return out.reshape(b, n, g, -1)
+
+    def loss(self, params, consts, batch, feats, key):
+        anchors, anchor_ok = sample_anchors(batch, self.num_anchors, key)
+        labels, ok = block_labels(batch, anchors, anchor_ok, self.arch.block_size)
+        hidden, prev = self.forward(params, consts, batch["tokens"], feats.taps, anchors)
+        per_slot, parts = self.slot_loss(params, consts, hidden, prev, labels, self._target_at(feats, anchors))
+        w = self._weights(ok)
+        loss = jnp.sum(per_slot * w) / jnp.maximum(jnp.sum(w), 1e-6)
+        metrics = {k: T.masked_mean(v, ok) for k, v in parts.items()}
+        metrics["anchors"] = jnp.mean(jnp.sum(anchor_ok, axis=1).astype(jnp.float32))
+        for j in range(min(self.arch.block_size, 4)):
+            metrics[f"acc_slot{j}"] = T.masked_mean(parts["acc"][..., j], ok[..., j])
+        return loss, metrics
+
+    def evaluate(self, params, consts, batch, feats, num_steps: int):
+        """Every position as an anchor (in chunks): the weighted loss and, per root slot and step k <
+        num_steps, alpha = sum min(p_d, p_t) at temperature 1 and the argmax match (teacher-forced)."""
+        tokens = batch["tokens"]
+        b, t = tokens.shape
+        chunk = min(self.eval_chunk, t)
+        n_chunks = -(-t // chunk)
+        all_anchors = jnp.arange(n_chunks * chunk, dtype=jnp.int32).reshape(n_chunks, chunk)
+
+        def one(anchors):
+            real = jnp.broadcast_to(anchors < t, (b, chunk))  # the last chunk is padded past the end
+            anchors = jnp.broadcast_to(jnp.minimum(anchors, t - 1), (b, chunk))
+            labels, ok = block_labels(batch, anchors, real, self.arch.block_size)
+            hidden, prev = self.forward(params, consts, tokens, feats.taps, anchors)
+            tl = self._target_at(feats, anchors)
+            per_slot, _ = self.slot_loss(params, consts, hidden, prev, labels, tl)
+            w = self._weights(ok)
+            lg = self.slot_logits(params, consts, hidden, prev)[..., :num_steps, :]
+            tl = tl[..., :num_steps, :]
+            alpha = jnp.sum(jnp.minimum(jax.nn.softmax(lg, -1), jax.nn.softmax(tl, -1)), -1)
+            match = jnp.argmax(lg, -1) == jnp.argmax(tl, -1)
+            return jnp.sum(per_slot * w), jnp.sum(w), alpha, match
+
+        num, den, alpha, match = jax.lax.map(one, all_anchors)
+        alpha = jnp.moveaxis(alpha, 0, 1).reshape(b, -1, num_steps)[:, :t]
+        match = jnp.moveaxis(match, 0, 1).reshape(b, -1, num_steps)[:, :t]
+        return jnp.sum(num) / jnp.maximum(jnp.sum(den), 1e-6), T.DraftEval(alpha, match)
+
+
+def build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size, markov_rank=0) -> BlockArch:
+    """The BlockArch of the task options (mask_token_id < 0: `default_mask_id`)."""
+    mask_id = default_mask_id(target) if mask_token_id is None or mask_token_id < 0 else int(mask_token_id)
+    return BlockArch.build(target.cfg, num_layers=num_layers, taps=taps, block_size=block_size,
+                           mask_token_id=mask_id, intermediate_size=intermediate_size, markov_rank=markov_rank)
+
+
+@T.register_task(NAME)
+def make_task(target, num_layers: int = 2, taps: list | None = None, block_size: int = 7,
+              mask_token_id: int = -1, intermediate_size: int | None = None, num_anchors: int = 16,
+              position_decay: float = 4.0) -> DFlashTask:
+    if num_anchors < 1 or position_decay <= 0:
+        raise ValueError(f"dflash: num_anchors must be >= 1 and position_decay > 0, got {num_anchors}, "
+                         f"{position_decay}")
+    arch = build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size)
+    return DFlashTask(arch=arch, num_anchors=int(num_anchors), position_decay=float(position_decay), target=target)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inference
+# ---------------------------------------------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BlockState:
+    cache: transformer.KVCache  # per draft layer: K/V of context positions; lengths = positions stored (= root's)
+    confidence: jax.Array  # float32 [B, k] prefix survival a_j of the last proposal (for the schedulers)
+
+
+class DFlashDrafter(Drafter):
+    """Drafts the first `num_draft_tokens` (<= block_size) slots of one block per round."""
+
+    kind = "chain"
+    jittable = True
+
+    def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME):
+        if not 1 <= num_draft_tokens <= arch.block_size:
+            raise ValueError(f"{name}: num_draft_tokens must be in [1, block_size={arch.block_size}] (the "
+                             f"block it was trained with), got {num_draft_tokens}")
+        self.arch, self.num_draft_tokens, self.name = arch, int(num_draft_tokens), name
+        self.taps = arch.taps
+        self.params = params  # {"params": trained weights, "embed": target embedding, "head": [H, V], buffers}
+
+    @classmethod
+    def from_trained(cls, arch, trained, buffers, target, num_draft_tokens):
+        params = {"params": jax.tree.map(jnp.asarray, trained), "embed": jnp.asarray(target.params["embed"]),
+                  "head": target_head(target), **{k: jnp.asarray(v) for k, v in (buffers or {}).items()}}
+        return cls(arch, params, num_draft_tokens)
+
+    def _write_context(self, params, cache, taps, positions, at):
+        """Append the context K/V of taps [n, B, W, H] at RoPE `positions` [B, W], starting at slot `at` [B]."""
+        p = params["params"]["backbone"]
+        kv = context_kv(self.arch, p, fuse_context(self.arch, p, taps), positions)
+        k = tuple(transformer.write_rows(cache.k[i], kv[i][0], at) for i in range(len(kv)))
+        v = tuple(transformer.write_rows(cache.v[i], kv[i][1], at) for i in range(len(kv)))
+        return dataclasses.replace(cache, k=k, v=v)
+
+    def init(self, params, prompt: PromptInfo, capacity: int):
+        b, t = prompt.tokens.shape
+        cache = transformer.init_cache(self.arch.cfg, b, capacity + self.arch.block_size + 2, dtype=jnp.float32)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        cache = self._write_context(params, cache, prompt.taps, positions, jnp.zeros((b,), jnp.int32))
+        return BlockState(cache=cache.with_lengths(prompt.lengths),
+                          confidence=jnp.ones((b, self.num_draft_tokens), jnp.float32))
+
+    def block(self, params, state: BlockState, ctx: RoundContext):
+        """The block forward at each row's root: normed hidden [B, G, H] of slots predicting root_pos + j + 1."""
+        cache = state.cache
+        b = cache.lengths.shape[0]
+        root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)  # [B, 1]
+        block, pos, _ = block_inputs(self.arch, root, jnp.zeros((b, 1), jnp.int32))
+        pos = pos + cache.lengths[:, None, None]  # the root sits at position cache.lengths = seq_len - 1
+        ctx_kv = list(zip(cache.k, cache.v))
+        ctx_ok = (jnp.arange(cache.capacity)[None, :] < cache.lengths[:, None])[:, None, :]
+        h = block_forward(self.arch, params["params"]["backbone"], params["embed"], block, pos, ctx_kv, ctx_ok)
+        return h[:, 0], root[:, 0]
+
+    def head_logits(self, params, hidden):
+        """The block's own logits U [B, G, V] (parallel, before any sequential head)."""
+        return jnp.einsum("bgh,hv->bgv", hidden, params["head"], preferred_element_type=jnp.float32)
+
+    def draw(self, params, hidden, root, sampling, key):
+        """Draft tokens [B, k], their distributions ([B, k, V] or None when greedy), and the prefix survival
+        confidence [B, k]. DFlash samples every slot in parallel, one key per slot."""
+        k = self.num_draft_tokens
+        logits = self.head_logits(params, hidden)[:, :k]
+        keys = jax.random.split(key, k)
+        tokens = jax.vmap(lambda kk, lg: sample(kk, lg, sampling), in_axes=(0, 1), out_axes=1)(keys, logits)
+        probs = None if sampling.greedy else probabilities(logits, sampling)
+        conf = jnp.cumprod(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1), axis=-1)
+        return tokens, probs, conf
+
+    def propose(self, params, state: BlockState, ctx: RoundContext, sampling, key):
+        hidden, root = self.block(params, state, ctx)
+        tokens, probs, conf = self.draw(params, hidden, root, sampling, key)
+        return Draft.chain(tokens, probs=probs), dataclasses.replace(state, confidence=conf)
+
+    def draft_confidence(self, state: BlockState) -> jax.Array:
+        """[B, k] non-increasing prefix survival estimates of the last proposal (see specdec.scheduling)."""
+        return state.confidence
+
+    def update(self, params, state: BlockState, ctx: RoundContext, result, taps):
+        """Append the context K/V of [root, nodes] (positions root_pos + i); keep the committed ones only."""
+        cache = state.cache
+        width = taps.shape[2]
+        positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        cache = self._write_context(params, cache, taps, positions, cache.lengths)
+        return dataclasses.replace(state, cache=cache.with_lengths(ctx.seq_len - 1))
+
+    def describe(self):
+        return {**super().describe(), "taps": list(self.taps), "block_size": self.arch.block_size,
+                "draft_layers": self.arch.cfg.num_layers}
+
+
+def arch_from_checkpoint(target, config: dict) -> BlockArch:
+    return BlockArch.build(target.cfg, num_layers=config["num_layers"], taps=config.get("taps"),
+                           block_size=config["block_size"], mask_token_id=config["mask_token_id"],
+                           intermediate_size=config.get("intermediate_size"),
+                           markov_rank=config.get("markov_rank", 0))
+
+
+@register(NAME)
+def make_dflash(target, num_draft_tokens: int, path: str = ""):
+    """A trained DFlash drafter: `path` = its training run directory (or an exported drafter directory)."""
+    if not path:
+        raise ValueError("dflash needs a trained checkpoint: set drafter.path to a training run directory, e.g. "
+                         "runs/train/dflash from `specdec train configs/train/dflash.yaml`")
+    info = load_drafter(path, expect_name=NAME)
+    check_target(info, target, str(path))
+    arch = arch_from_checkpoint(target, info["config"])
+    return DFlashDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens)

@@ -1,0 +1,207 @@
+"""DSpark: the DFlash block drafter (drafters/dflash.py) plus a cheap sequential "Markov" head and a confidence
+head, so drafts are sampled position by position with exact draft probabilities and every draft position comes
+with an estimate of how likely the target is to accept it (used by `specdec.scheduling` to decide, per request
+and under load, how many draft tokens to verify).
+
+Heads on top of the backbone's normed hidden h_j of slot j (slot j predicts x_{a+j+1}; x_a is the anchor):
+    e_j     = W1[x_{a+j}]                               the previous token's rank-r embedding (x_a: the anchor)
+    logits_j = U_j + W2 e_j                             U_j = lm_head(h_j), the DFlash logits; W2 [r, V]
+    c_j     = sigmoid((w . [h_j ; e_j] + b) / tau_j)    confidence; tau_j from calibration (1 before it)
+At inference x_{a+j} for j >= 1 is the DRAFTED token, so the slots are sampled left to right (a lax.scan over
+the block): each q_j is exactly the distribution x_{a+j+1} was drawn from, and rejection sampling applies.
+With W2 = 0 the logits are U_j exactly: DSpark equals DFlash (tests/test_dspark.py checks it token for token).
+c_j depends on x_{a+j}, never on the token it scores, and the prefix survival a_j = prod_{i<=j} c_i is what
+the schedulers read (`draft_confidence`).
+
+Training (teacher-forced: e_j from the true previous token): per slot
+    0.1 CE(logits_j, x_{a+j+1}) + 0.9 ||p_d - p_t||_1 + 1.0 BCE(c_j, 1 - 0.5 ||p_d - p_t||_1 detached),
+p_t the target's distribution at position a+j (temperature 1), with DFlash's anchors, masks and exp(-j/4) slot
+weights. `calibrate` then fits one temperature per slot on held-out data, left to right, each minimising the
+expected calibration error of the prefix survival a_j against the teacher-forced prod_{i<=j} alpha_i
+(alpha = sum min(p_d, p_t)) with the earlier slots' temperatures fixed (sequential temperature scaling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from drafters import dflash, register
+from drafters.dflash import BlockArch, DFlashDrafter, DFlashTask
+from specdec.sampling import probabilities, sample
+from specdec.train import tasks as T
+from specdec.train.checkpoint import check_target, load_drafter
+
+NAME = "dspark"
+TEMPERATURE_GRID = np.exp(np.linspace(np.log(0.1), np.log(10.0), 61))
+
+
+def init_heads(arch: BlockArch, key) -> dict:
+    c = arch.cfg
+    rng = dflash.numpy_rng(key)
+    # W1 is a unit-scale embedding table and W2 starts at 0: training starts exactly at DFlash, and W2's first
+    # gradients are not scaled down by a small W1 (the bilinear product would otherwise be slow to leave 0).
+    return {"markov": {"w1": jnp.asarray(rng.standard_normal((c.vocab_size, arch.markov_rank)), jnp.float32),
+                       "w2": jnp.zeros((arch.markov_rank, c.vocab_size), jnp.float32)},
+            "conf": {"w": jnp.asarray(0.02 * rng.standard_normal(c.hidden_size + arch.markov_rank), jnp.float32),
+                     "b": jnp.zeros((), jnp.float32)}}
+
+
+def markov_bias(heads: dict, prev: jax.Array):
+    """(B_j = W2 W1[prev] [..., V], e = W1[prev] [..., r])."""
+    e = heads["markov"]["w1"][prev]
+    return jnp.einsum("...r,rv->...v", e, heads["markov"]["w2"], preferred_element_type=jnp.float32), e
+
+
+def confidence_logit(heads: dict, hidden: jax.Array, e: jax.Array) -> jax.Array:
+    return jnp.concatenate([hidden, e], axis=-1) @ heads["conf"]["w"] + heads["conf"]["b"]
+
+
+def _ece(pred: np.ndarray, label: np.ndarray, bins: int = 10) -> float:
+    """Expected calibration error with soft labels: sum over equal-width bins of |mean pred - mean label| * share."""
+    idx = np.minimum((pred * bins).astype(int), bins - 1)
+    total = 0.0
+    for b in range(bins):
+        sel = idx == b
+        if sel.any():
+            total += abs(pred[sel].mean() - label[sel].mean()) * sel.mean()
+    return float(total)
+
+
+def sequential_temperatures(z: np.ndarray, alpha: np.ndarray, grid=TEMPERATURE_GRID) -> np.ndarray:
+    """z, alpha [M, G] confidence logits and teacher-forced acceptance of M valid blocks -> temperatures [G]:
+    slot by slot, the grid value minimising the ECE of a_j = a_{j-1} sigmoid(z_j / tau) against
+    prod_{i<=j} alpha_i, with the earlier slots' temperatures fixed."""
+    m, g = z.shape
+    temps = np.ones(g)
+    survive = np.ones(m)
+    label = np.cumprod(alpha, axis=1)
+    for j in range(g):
+        scores = [_ece(survive / (1 + np.exp(-z[:, j] / t)), label[:, j]) for t in grid]
+        temps[j] = grid[int(np.argmin(scores))]
+        survive = survive / (1 + np.exp(-z[:, j] / temps[j]))
+    return temps
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkTask(DFlashTask):
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    bce_weight: float = 1.0
+    calibration_anchors: int = 64
+
+    name = NAME
+    needs_target_logits = True
+
+    def config(self) -> dict:
+        return {**super().config(), "markov_rank": self.arch.markov_rank, "ce_weight": self.ce_weight,
+                "l1_weight": self.l1_weight, "bce_weight": self.bce_weight}
+
+    def init(self, key, token_counts: np.ndarray):
+        k_backbone, k_heads = jax.random.split(key)
+        params, _ = super().init(k_backbone, token_counts)
+        buffers = {"conf_temperature": jnp.ones((self.arch.block_size,), jnp.float32)}
+        return {**params, **init_heads(self.arch, k_heads)}, buffers
+
+    def slot_logits(self, params, consts, hidden, prev):
+        bias, _ = markov_bias(params, prev)
+        return super().slot_logits(params, consts, hidden, prev) + bias
+
+    def slot_loss(self, params, consts, hidden, prev, labels, target_logits):
+        bias, e = markov_bias(params, prev)
+        logits = super().slot_logits(params, consts, hidden, prev) + bias
+        pd = jax.nn.softmax(logits, axis=-1)
+        pt = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
+        ce = T.hard_cross_entropy(logits, labels)
+        l1 = jnp.sum(jnp.abs(pd - pt), axis=-1)
+        y = jax.lax.stop_gradient(1.0 - 0.5 * l1)  # = sum min(p_d, p_t), the expected acceptance
+        z = confidence_logit(params, hidden, e)
+        bce = jax.nn.softplus(z) - y * z  # binary cross-entropy with a soft label, from the logit
+        loss = self.ce_weight * ce + self.l1_weight * l1 + self.bce_weight * bce
+        return loss, {"ce": ce, "l1": l1, "bce": bce, "conf": jax.nn.sigmoid(z), "expected_accept": y,
+                      "acc": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
+
+    def calibration_stats(self, params, consts, batch, feats):
+        """Confidence logits z, teacher-forced alpha and validity [B, N, G] at a fixed set of anchors."""
+        anchors, anchor_ok = dflash.sample_anchors(batch, self.calibration_anchors, jax.random.PRNGKey(0))
+        _, ok = dflash.block_labels(batch, anchors, anchor_ok, self.arch.block_size)
+        hidden, prev = self.forward(params, consts, batch["tokens"], feats.taps, anchors)
+        bias, e = markov_bias(params, prev)
+        pd = jax.nn.softmax(super().slot_logits(params, consts, hidden, prev) + bias, axis=-1)
+        pt = jax.nn.softmax(self._target_at(feats, anchors).astype(jnp.float32), axis=-1)
+        return confidence_logit(params, hidden, e), jnp.sum(jnp.minimum(pd, pt), -1), ok
+
+    def calibrate(self, params, consts, batches_and_feats) -> dict:
+        """Buffers with the fitted per-slot temperatures, from held-out (batch, feats) pairs."""
+        stats = jax.jit(self.calibration_stats)
+        zs, alphas = [], []
+        for batch, feats in batches_and_feats:
+            z, alpha, ok = jax.device_get(stats(params, consts, batch, feats))
+            full = np.asarray(ok).all(axis=-1)  # blocks whose every label is a response token
+            zs.append(np.asarray(z)[full])
+            alphas.append(np.asarray(alpha)[full])
+        z, alpha = np.concatenate(zs), np.concatenate(alphas)
+        if len(z) == 0:
+            return {"conf_temperature": jnp.ones((self.arch.block_size,), jnp.float32)}
+        return {"conf_temperature": jnp.asarray(sequential_temperatures(z, alpha), jnp.float32)}
+
+
+@T.register_task(NAME)
+def make_task(target, num_layers: int = 2, taps: list | None = None, block_size: int = 7,
+              mask_token_id: int = -1, intermediate_size: int | None = None, num_anchors: int = 16,
+              position_decay: float = 4.0, markov_rank: int = 64, ce_weight: float = 0.1, l1_weight: float = 0.9,
+              bce_weight: float = 1.0) -> DSparkTask:
+    if markov_rank < 1:
+        raise ValueError(f"dspark: markov_rank must be >= 1 (use dflash for no Markov head), got {markov_rank}")
+    if num_anchors < 1 or position_decay <= 0:
+        raise ValueError(f"dspark: num_anchors must be >= 1 and position_decay > 0, got {num_anchors}, "
+                         f"{position_decay}")
+    arch = dflash.build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size, markov_rank)
+    return DSparkTask(arch=arch, num_anchors=int(num_anchors), position_decay=float(position_decay),
+                      ce_weight=float(ce_weight), l1_weight=float(l1_weight), bce_weight=float(bce_weight),
+                      target=target)
+
+
+class DSparkDrafter(DFlashDrafter):
+    """DFlash's block forward, then the slots sampled left to right through the Markov head."""
+
+    def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME):
+        if arch.markov_rank < 1:
+            raise ValueError("dspark needs a Markov head (markov_rank >= 1)")
+        super().__init__(arch, params, num_draft_tokens, name=name)
+
+    def draw(self, params, hidden, root, sampling, key):
+        k = self.num_draft_tokens
+        heads = params["params"]
+        u = self.head_logits(params, hidden)[:, :k]  # [B, k, V]
+        temps = params.get("conf_temperature", jnp.ones((self.arch.block_size,), jnp.float32))[:k]
+        keys = jax.random.split(key, k)
+
+        def step(prev, inp):
+            u_j, h_j, key_j, temp_j = inp
+            bias, e = markov_bias(heads, prev)
+            logits = u_j + bias
+            tok = sample(key_j, logits, sampling)
+            q = jnp.zeros((), jnp.float32) if sampling.greedy else probabilities(logits, sampling)
+            c = jax.nn.sigmoid(confidence_logit(heads, h_j, e) / temp_j)
+            return tok, (tok, q, c)
+
+        xs = (jnp.swapaxes(u, 0, 1), jnp.swapaxes(hidden[:, :k], 0, 1), keys, temps)
+        _, (tokens, probs, conf) = jax.lax.scan(step, root, xs)
+        probs = None if sampling.greedy else jnp.swapaxes(probs, 0, 1)
+        return jnp.swapaxes(tokens, 0, 1), probs, jnp.cumprod(jnp.swapaxes(conf, 0, 1), axis=-1)
+
+
+@register(NAME)
+def make_dspark(target, num_draft_tokens: int, path: str = ""):
+    """A trained DSpark drafter: `path` = its training run directory (or an exported drafter directory)."""
+    if not path:
+        raise ValueError("dspark needs a trained checkpoint: set drafter.path to a training run directory, e.g. "
+                         "runs/train/dspark from `specdec train configs/train/dspark.yaml`")
+    info = load_drafter(path, expect_name=NAME)
+    check_target(info, target, str(path))
+    arch = dflash.arch_from_checkpoint(target, info["config"])
+    return DSparkDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens)

@@ -1,0 +1,172 @@
+"""DSpark: with the Markov head zeroed it IS DFlash (same drafts, probabilities and verified output, sampled
+and greedy); sequential temperature scaling recovers a known miscalibration; and on a toy language where the
+continuation after a marker is one of two fixed phrases, DSpark trained through the shared training loop (with
+calibration, export and loading by name) reaches at least 1.5x DFlash's acceptance length, because DFlash
+drafts the slots of a block independently and cannot keep them on one phrase."""
+
+import functools
+import itertools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from drafters import create_drafter, dflash, dspark
+from specdec.config import TrainConfig, load_config
+from specdec.engine import speculative_generate
+from specdec.models import transformer
+from specdec.models.config import tiny_config
+from specdec.sampling import SamplingParams
+from specdec.target import Target, random_target
+from specdec.train.data import DistillData
+from specdec.train.loop import train
+from specdec.train.tasks import make_task
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "train"
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
+G = 4
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def draw(drafter, params, hidden, root, sampling, key):
+    return drafter.draw(params, hidden, root, sampling, key)
+
+
+def test_zeroed_markov_head_equals_dflash():
+    target = random_target(tiny_config(), seed=3, scale=0.35)
+    task = dspark.make_task(target, num_layers=1, block_size=G, markov_rank=8)
+    params, buffers = task.init(jax.random.PRNGKey(0), None)
+    assert not np.any(params["markov"]["w2"])  # initialised at exactly DFlash
+    params["markov"]["w1"] = params["markov"]["w1"] + 1.0  # the zero W2 must cancel whatever W1 holds
+    spark = dspark.DSparkDrafter.from_trained(task.arch, params, buffers, target, G)
+    flash = dflash.DFlashDrafter.from_trained(task.arch, {"backbone": params["backbone"]}, {}, target, G)
+    sampling = SamplingParams(temperature=0.9, top_k=50)
+    a = speculative_generate(target, spark, PROMPTS, policy="rejection_chain", sampling=sampling, max_new_tokens=12)
+    b = speculative_generate(target, flash, PROMPTS, policy="rejection_chain", sampling=sampling, max_new_tokens=12)
+    assert a.tokens == b.tokens
+    assert (a.metrics.rounds, a.metrics.accepted_draft_tokens) == (b.metrics.rounds, b.metrics.accepted_draft_tokens)
+    # the draws themselves: tokens and exact draft distributions, slot by slot
+    hidden = jnp.asarray(np.random.default_rng(1).standard_normal((3, G, target.cfg.hidden_size)), jnp.float32)
+    root = jnp.asarray([5, 9, 3])
+    ts, qs, _ = draw(spark, spark.params, hidden, root, sampling, jax.random.PRNGKey(2))
+    tf, qf, _ = draw(flash, flash.params, hidden, root, sampling, jax.random.PRNGKey(2))
+    np.testing.assert_array_equal(ts, tf)
+    np.testing.assert_array_equal(qs, qf)
+    # ... and a nonzero W2 does change them (the comparison above can fail)
+    params["markov"]["w2"] = jnp.asarray(np.random.default_rng(3).standard_normal(params["markov"]["w2"].shape),
+                                         jnp.float32)
+    spark2 = dspark.DSparkDrafter.from_trained(task.arch, params, buffers, target, G)
+    _, q2, _ = draw(spark2, spark2.params, hidden, root, sampling, jax.random.PRNGKey(2))
+    assert not np.allclose(q2, qf, atol=1e-3)
+
+
+def test_sequential_temperature_scaling_recovers_known_temperatures():
+    """Confidences whose true prefix survival is sigmoid(z_1 / 2), then x sigmoid(z_2 / 0.5): the fitted per-slot
+    temperatures are ~2 and ~0.5, and calibration lowers the ECE."""
+    rng = np.random.default_rng(0)
+    z = rng.normal(0, 3, size=(20_000, 2))
+    alpha = np.stack([1 / (1 + np.exp(-z[:, 0] / 2)), 1 / (1 + np.exp(-z[:, 1] / 0.5))], axis=1)
+    temps = dspark.sequential_temperatures(z, alpha)
+    assert abs(np.log(temps[0] / 2.0)) < 0.15 and abs(np.log(temps[1] / 0.5)) < 0.15, temps
+    raw = dspark._ece(1 / (1 + np.exp(-z[:, 0])), alpha[:, 0])
+    fitted = dspark._ece(1 / (1 + np.exp(-z[:, 0] / temps[0])), alpha[:, 0])
+    assert fitted < 0.5 * raw
+
+
+def test_training_configs_build_their_tasks():
+    """configs/train/dflash.yaml and dspark.yaml (SmolLM2) parse and their drafter options build the tasks (on
+    the tiny target here: the SmolLM2 taps/MASK id fall back to what the tiny model has)."""
+    target = random_target(tiny_config(), seed=0)
+    for name in ("dflash", "dspark"):
+        cfg = load_config(str(CONFIGS / f"{name}.yaml"))
+        assert cfg.drafter.name == name and cfg.train.drafter_options["block_size"] == 7
+        task = make_task(name, target, cfg.train.drafter_options)
+        assert task.name == name and task.arch.mask_id == 16 and task.arch.block_size == 7
+    with pytest.raises(ValueError, match="unknown option"):
+        make_task("dspark", target, {"markov_rnak": 4})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The toy two-phrase language
+# ---------------------------------------------------------------------------------------------------------
+
+V, H = 32, 64
+MARKER = 3
+PHRASES = ([4, 5, 6], [7, 8, 9])  # after the marker: one of two fixed phrases (50/50), then the marker again
+BLOCK = 8
+
+
+def two_phrase_target() -> tuple[Target, np.ndarray]:
+    """A bigram target built from a tiny transformer: one-hot embeddings, attention and MLP outputs zeroed (the
+    residual stream stays the embedding), and an lm_head whose rows are the bigram log-probabilities."""
+    cfg = tiny_config(vocab_size=V, hidden_size=H, tie_word_embeddings=False, eos_token_ids=(), pad_token_id=0,
+                      name="two_phrases")
+    logp = np.full((V, V), -30.0, np.float32)
+    logp[:, MARKER] = 0.0  # anything else (phrase ends, unused ids) -> marker
+    logp[MARKER] = -30.0
+    for phrase in PHRASES:
+        logp[MARKER, phrase[0]] = 0.0
+        for a, b in itertools.pairwise(phrase):
+            logp[a] = -30.0
+            logp[a, b] = 0.0
+    p = transformer.init_params(cfg, jax.random.PRNGKey(0))
+    head = np.zeros((H, V), np.float32)
+    head[:V] = logp / np.sqrt(H)  # rms_norm(one-hot * sqrt(H)) = one-hot * sqrt(H)
+    p = {**p, "embed": jnp.eye(V, H) * np.sqrt(H), "lm_head": jnp.asarray(head),
+         "layers": {**p["layers"], "wo": jnp.zeros_like(p["layers"]["wo"]),
+                    "w_down": jnp.zeros_like(p["layers"]["w_down"])}}
+    return Target.from_params(cfg, p, None), logp
+
+
+def two_phrase_data(logp: np.ndarray, n: int, length: int, seed: int = 0) -> DistillData:
+    """Sequences sampled from the bigram itself (= what the target generates), 2 prompt tokens each."""
+    rng = np.random.default_rng(seed)
+    probs = np.exp(logp.astype(np.float64))
+    probs /= probs.sum(1, keepdims=True)
+    starts = [MARKER] + [t for ph in PHRASES for t in ph]
+    cdf = np.cumsum(probs, axis=1)
+    x = np.zeros((n, length), np.int32)
+    x[:, 0] = rng.choice(starts, size=n)
+    u = rng.random((n, length))
+    for t in range(1, length):  # vectorised over sequences: inverse-CDF sampling of the next token
+        x[:, t] = np.minimum((u[:, t:t + 1] > cdf[x[:, t - 1]]).sum(axis=1), V - 1)
+    seqs = list(x)
+    mask = [np.r_[np.zeros(2, np.int8), np.ones(length - 2, np.int8)] for _ in seqs]
+    return DistillData([f"ex{i}" for i in range(n)], seqs, mask, [2] * n, [False] * n, {})
+
+
+@pytest.fixture(scope="module")
+def toy_runs(tmp_path_factory):
+    target, logp = two_phrase_target()
+    data = two_phrase_data(logp, 192, 32)
+    cfg = TrainConfig(steps=120, batch_size=8, seq_len=32, lr=5e-3, warmup_frac=0.05, weight_decay=0.0,
+                      checkpoint_every=10_000, eval_every=10_000, log_every=10_000, eval_examples=8)
+    opts = {"num_layers": 1, "block_size": BLOCK, "taps": [1], "num_anchors": 12}
+    runs = {}
+    for name, extra in (("dflash", {}), ("dspark", {"markov_rank": 8})):
+        module = dflash if name == "dflash" else dspark
+        run_dir = tmp_path_factory.mktemp(name)
+        summary = train(module.make_task(target, **opts, **extra), target, data, cfg, run_dir, progress=False,
+                        eval_draft_len=BLOCK, log=lambda m: None)
+        runs[name] = (summary, create_drafter(name, target, BLOCK, path=str(run_dir)))
+    return target, runs
+
+
+def test_toy_two_phrases_dspark_tau_at_least_1_5x_dflash(toy_runs):
+    target, runs = toy_runs
+    prompts = [[MARKER], [4], [7, 8], [MARKER, 4, 5, 6]] * 4
+    sampling = SamplingParams(temperature=1.0)
+    tau = {}
+    for name, (summary, drafter) in runs.items():
+        assert summary["final_eval"]["expected_tau"] > summary["first_eval"]["expected_tau"] + 0.5, name  # learnt
+        out = speculative_generate(target, drafter, prompts, policy="rejection_chain", max_new_tokens=40,
+                                   sampling=sampling, seed=0)
+        tau[name] = out.metrics.tau
+    print(f"toy two-phrase tau: {tau}")  # shown with -s
+    assert tau["dspark"] >= 1.5 * tau["dflash"], tau
+    # the calibration ran at the end of training and travelled with the checkpoint
+    temps = np.asarray(runs["dspark"][1].params["conf_temperature"])
+    assert temps.shape == (BLOCK,) and np.all(temps > 0) and not np.all(temps == 1.0)

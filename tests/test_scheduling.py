@@ -1,0 +1,196 @@
+"""Verification-length schedulers: golden cases of the three kinds, the DSpark paper's appendix-A case (lossless
+with the prefix scheduler's early stop, visibly biased without it), the whole engine's sampled output still
+following the target distribution with DSpark drafts under every scheduler, and the cached SPS profile."""
+
+import functools
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from drafters import dspark
+from specdec import scheduling
+from specdec.config import SchedulerConfig
+from specdec.engine import speculative_generate
+from specdec.generate import generate
+from specdec.sampling import SamplingParams
+from specdec.scheduling import Scheduler, prefix_lengths
+from specdec.verify import Draft, get_policy
+from tests.test_engine import (
+    NUM_SAMPLES,
+    PROMPT,
+    SAMPLING,
+    distribution_target,
+    exact_joint,
+    fit,
+)
+
+LINEAR = ((1, 1.0), (64, 1.0 / 1.63))  # step time 1 + 0.01 (n - 1): SPS falls slowly with the token batch
+
+
+def test_fixed_and_threshold_lengths():
+    conf = jnp.asarray([[0.9, 0.8, 0.5, 0.2], [0.4, 0.3, 0.1, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    active = jnp.ones(3, bool)
+    assert Scheduler("fixed").lengths(conf, active).tolist() == [4, 4, 4]
+    assert Scheduler("threshold", threshold=0.5).lengths(conf, active).tolist() == [3, 0, 4]
+    d = Scheduler("threshold", threshold=0.5).apply(Draft.chain(jnp.ones((3, 4), jnp.int32)), conf, active)
+    assert d.valid.tolist() == [[True, True, True, False], [False] * 4, [True] * 4]
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Scheduler("longest")
+    with pytest.raises(ValueError, match="profile"):
+        Scheduler("prefix")
+
+
+def test_prefix_scheduler_golden():
+    """Two rows; step time 1 + 0.25 (n - 2) from n = 2 tokens (SPS = 1 / that). By hand: Theta(0) = 2;
+    admit (0,0) a=.9: 2.9 / 1.25 = 2.32; (1,0) a=.8: 3.7 / 1.5 = 2.47; (0,1) a=.6: 4.3 / 1.75 = 2.457 < 2.47 ->
+    STOP (the later (0,2) a=.55 would give 4.85 / 2 = 2.425, and nothing is looked at after the stop)."""
+    profile = tuple((n, 1.0 / (1 + 0.25 * (n - 2))) for n in range(2, 12))
+    s = Scheduler("prefix", profile=profile)
+    conf = jnp.asarray([[0.9, 0.6, 0.55], [0.8, 0.1, 0.05]])
+    assert s.lengths(conf, jnp.ones(2, bool)).tolist() == [1, 1]
+    # cheap verification (flat SPS): everything is admitted; a done row is never admitted and not counted
+    flat = Scheduler("prefix", profile=((1, 1.0), (100, 1.0)))
+    assert flat.lengths(conf, jnp.ones(2, bool)).tolist() == [3, 3]
+    assert flat.lengths(conf, jnp.asarray([True, False])).tolist() == [3, 0]
+    # the lengths always cover a prefix of each row, in confidence order
+    key = jax.random.PRNGKey(0)
+    for i in range(5):
+        c = jnp.cumprod(jax.random.uniform(jax.random.fold_in(key, i), (6, 5)), axis=1)
+        lengths = np.asarray(Scheduler("prefix", profile=LINEAR).lengths(c, jnp.ones(6, bool)))
+        admitted = np.arange(5)[None] < lengths[:, None]
+        cnp = np.asarray(c)
+        if admitted.any() and (~admitted).any():
+            assert cnp[admitted].min() >= cnp[~admitted].max() - 1e-7
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Appendix A: the early stop is what keeps confidence scheduling lossless
+# ---------------------------------------------------------------------------------------------------------
+
+APPENDIX_SAMPLES = 200_000
+APPENDIX_PROFILE = ((1, 1.0), (2, 0.7), (3, 0.6))  # SPS(1), SPS(2), SPS(3)
+
+
+@functools.partial(jax.jit, static_argnames=("early_stop",))
+def _appendix_run(key, c1_values, *, early_stop: bool):
+    s = Scheduler("prefix", profile=APPENDIX_PROFILE, early_stop=early_stop)
+    k1, k2 = jax.random.split(key)
+    u = jax.random.uniform(k1, (APPENDIX_SAMPLES, 3))
+    x = (u[:, :2] >= 0.5).astype(jnp.int32)  # x1, x2 ~ q
+    c1 = c1_values[jnp.minimum((u[:, 2] * 2).astype(jnp.int32), 1)]
+    c2 = jnp.where(x[:, 0] == 0, 1.0, 0.0)
+    conf = jnp.stack([c1, c1 * c2], axis=1)  # prefix survival
+    lengths = jax.vmap(lambda c: prefix_lengths(c[None], jnp.ones(1, bool), s.sps, early_stop)[0])(conf)
+    q = jnp.full((APPENDIX_SAMPLES, 2, 2), 0.5)
+    draft = Draft.chain(x, probs=q, valid=jnp.arange(2)[None] < lengths[:, None])
+    logits = jnp.log(jnp.broadcast_to(jnp.asarray([[0.7, 0.3], [0.5, 0.5], [0.5, 0.5]]), (APPENDIX_SAMPLES, 3, 2)))
+    out = get_policy("rejection_chain").verify(draft, logits, SamplingParams(temperature=1.0), k2)  # rows: requests
+    return jnp.mean(out.tokens[:, 0] == 0), jnp.mean(lengths > 0)
+
+
+def appendix_first_token(early_stop: bool, c1_values, seed: int = 0) -> tuple[float, float]:
+    """Target p = (0.7, 0.3), draft q = (0.5, 0.5) for the first token; the confidence of the first draft is c1
+    (one of the two `c1_values` at random, independent of the draft), of the second 1 if x1 = 0 else 0 (it reads
+    x1, like DSpark's). One request per sample; the prefix scheduler picks its verify length, rejection sampling
+    verifies. Returns (frequency of first committed token 0, fraction of requests that verified a draft)."""
+    c1 = jnp.asarray(list(c1_values) * (2 // len(c1_values)), jnp.float32)
+    freq, verified = jax.device_get(_appendix_run(jax.random.PRNGKey(seed), c1, early_stop=early_stop))
+    return float(freq), float(verified)
+
+
+def test_appendix_a_lossless_with_early_stop_biased_without():
+    se = np.sqrt(0.7 * 0.3 / APPENDIX_SAMPLES)  # ~0.001
+    # the paper's case: c1 = 0.4. Without the stop, x1 = 0 makes verifying 2 tokens worth it, x1 = 1 verifying
+    # none: the first token is 0 with probability 0.5 + 0.5 * 0.7 = 0.85.
+    freq, _ = appendix_first_token(False, [0.4])
+    assert abs(freq - 0.85) < 6 * se, freq
+    freq, _ = appendix_first_token(True, [0.4])
+    assert abs(freq - 0.7) < 6 * se, freq
+    # c1 in {0.4, 0.9}: with the stop the first draft IS verified half of the time, and the output is exact
+    freq, verified = appendix_first_token(True, [0.4, 0.9])
+    assert 0.45 < verified < 0.55
+    assert abs(freq - 0.7) < 6 * se, freq
+    freq, _ = appendix_first_token(False, [0.4, 0.9])
+    assert abs(freq - 0.775) < 6 * se, freq  # biased: 0.5 * 0.85 + 0.5 * 0.7
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The whole engine with DSpark drafts under each scheduler
+# ---------------------------------------------------------------------------------------------------------
+
+def random_dspark(target, k=3, seed=0):
+    """An untrained DSpark with every head clearly active (nonzero Markov head, spread confidences)."""
+    task = dspark.make_task(target, num_layers=1, block_size=k, taps=[1], markov_rank=4)
+    params, buffers = task.init(jax.random.PRNGKey(seed), None)
+    rng = np.random.default_rng(seed + 1)
+    params["markov"]["w2"] = jnp.asarray(rng.standard_normal(params["markov"]["w2"].shape), jnp.float32)
+    params["conf"]["w"] = jnp.asarray(2.0 * rng.standard_normal(params["conf"]["w"].shape), jnp.float32)
+    params["conf"]["b"] = jnp.asarray(1.0)
+    return dspark.DSparkDrafter.from_trained(task.arch, params, buffers, target, k)
+
+
+SCHEDULERS = {
+    "fixed": Scheduler("fixed"),
+    "threshold": Scheduler("threshold", threshold=0.4),
+    # token batches of NUM_SAMPLES rows x 1..4 tokens; verification gets slower past one token per row
+    "prefix": Scheduler("prefix", profile=((1, 1.0), (NUM_SAMPLES, 1.0), (4 * NUM_SAMPLES, 0.4))),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_engine_sampled_output_is_target_distribution_with_dspark(name):
+    """tests/test_engine.py's check (joint law of the first 3 tokens vs exact enumeration, chi-square at 1e-3)
+    with DSpark drafts (sequential sampling, exact q) and the scheduler deciding the verify lengths."""
+    target = distribution_target()
+    drafter = random_dspark(target)
+    out = speculative_generate(target, drafter, [PROMPT] * NUM_SAMPLES, policy="rejection_chain",
+                               max_new_tokens=3, sampling=SAMPLING, seed=123, scheduler=SCHEDULERS[name])
+    seqs = np.array(out.tokens)
+    counts = np.bincount((seqs * 8 ** np.arange(3)[::-1]).sum(axis=1), minlength=8 ** 3)
+    m = out.metrics
+    assert m.accepted_draft_tokens > 0.05 * NUM_SAMPLES  # the drafts really were used
+    if name != "fixed":  # the scheduler really shortened some rows' drafts, not all of them
+        assert 0 < m.proposed_draft_tokens < 3 * m.rounds, (m.proposed_draft_tokens, m.rounds)
+    p_value, tv = fit(counts, exact_joint(target, 3))
+    assert p_value > 1e-3, (p_value, tv)
+
+
+def test_greedy_with_prefix_scheduler_equals_ar():
+    target = distribution_target()
+    drafter = random_dspark(target, k=3, seed=2)
+    prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
+    ar = generate(target, prompts, max_new_tokens=12)
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=12, scheduler=Scheduler("prefix", profile=LINEAR))
+    assert out.tokens == ar.tokens
+
+
+def test_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
+    target = distribution_target()
+    path = tmp_path / "sps.json"
+    profile = scheduling.load_or_measure_profile(target, 4, path, log=lambda m: None)
+    assert [n for n, _ in profile] == [1, 2, 4] and all(s > 0 for _, s in profile)
+    assert all(a[1] >= b[1] for a, b in itertools.pairwise(profile))  # bigger batches are never faster
+    assert len(json.loads(path.read_text())) == 1
+
+    def fail(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(scheduling, "measure_sps", fail)
+    assert scheduling.load_or_measure_profile(target, 4, path) == profile
+    s = scheduling.make_scheduler(SchedulerConfig(kind="prefix", profile_path=str(path)), target, 4)
+    assert s.kind == "prefix" and s.profile == profile
+    assert scheduling.make_scheduler(SchedulerConfig(kind="fixed")) is None
+    assert scheduling.make_scheduler(SchedulerConfig(kind="threshold", threshold=0.3)).threshold == 0.3
+
+
+def test_scheduler_needs_a_confidence_drafter():
+    from drafters import create_drafter
+
+    target = distribution_target()
+    with pytest.raises(ValueError, match="draft confidences"):
+        speculative_generate(target, create_drafter("ngram", target, 3), [PROMPT], max_new_tokens=4,
+                             scheduler=SCHEDULERS["threshold"])
