@@ -12,7 +12,8 @@ import functools
 import inspect
 from typing import Sequence
 
-from specdec.config import ExperimentConfig, TargetConfig, VerifyConfig
+from specdec import sharding
+from specdec.config import ExperimentConfig, MeshConfig, TargetConfig, VerifyConfig
 from specdec.target import Target
 
 TINY_NAMES = ("tiny",)
@@ -68,9 +69,19 @@ def _cached_target(name: str, dtype: str, backend: str, seed: int) -> Target:
     return load_target(name, backend=backend, dtype=dtype)
 
 
-def build_target(cfg: TargetConfig) -> Target:
-    """The target of `model:`; loaded once per process for the same (name, dtype, backend, seed) (sweeps)."""
-    return _cached_target(cfg.name, cfg.dtype, cfg.backend, cfg.seed if cfg.name in TINY_NAMES else 0)
+def build_target(cfg: TargetConfig, mesh: MeshConfig | None = None) -> Target:
+    """The target of `model:`; loaded once per process for the same (name, dtype, backend, seed) (sweeps).
+    With a multi-device `mesh:` its weights are placed on that mesh, tensor-parallel (specdec/sharding.py)."""
+    key = (cfg.name, cfg.dtype, cfg.backend, cfg.seed if cfg.name in TINY_NAMES else 0)
+    if mesh is None or not sharding.is_multi_device(mesh):
+        return _cached_target(*key)
+    return _sharded_target(key, mesh.data, mesh.model)
+
+
+@functools.lru_cache(maxsize=2)
+def _sharded_target(key: tuple, data: int, model: int) -> Target:
+    mesh = sharding.make_mesh(MeshConfig(data=data, model=model))  # first: multi-host init precedes any JAX work
+    return sharding.shard_target(_cached_target(*key), mesh)
 
 
 def drafter_params(cfg: ExperimentConfig, accepted: Sequence[str]) -> dict:
@@ -119,7 +130,10 @@ def build_drafter(cfg: ExperimentConfig, target: Target):
         if "path" not in accepted and "checkpoint" not in accepted:
             raise ValueError(f"drafter.path: drafter {cfg.drafter.name!r} takes no checkpoint")
         params["path" if "path" in accepted else "checkpoint"] = cfg.drafter.path
-    return create_drafter(cfg.drafter.name, target, num_draft_tokens(cfg), **params), params
+    drafter = create_drafter(cfg.drafter.name, target, num_draft_tokens(cfg), **params)
+    if sharding.mesh_of(target) is not None and drafter.params is not None:  # next to the target, on its mesh
+        drafter.params = sharding.place_drafter_state(drafter.params, sharding.mesh_of(target))
+    return drafter, params
 
 
 def effective_policy(verify: VerifyConfig, drafter) -> tuple[str, str | None]:
@@ -142,9 +156,21 @@ def drafter_label(drafter, params: dict) -> str:
     return f"{drafter.name}(k={drafter.num_draft_tokens}{',' + extra if extra else ''})"
 
 
+def build_scheduler(cfg: ExperimentConfig, target: Target, drafter, log=print):
+    """The verify-length scheduler of `scheduler:` (None for `fixed`). `prefix` profiles the target's verify
+    throughput once per backend for token batches up to batch_size x (draft length + 1), cached in
+    `scheduler.profile_path` (default: the specdec cache dir)."""
+    from specdec.scheduling import make_scheduler
+
+    if cfg.scheduler.kind != "fixed" and not hasattr(drafter, "draft_confidence"):
+        raise ValueError(f"scheduler.kind: {cfg.scheduler.kind!r} needs a drafter with draft confidences "
+                         f"(dflash, dspark); {drafter.name!r} has none; use 'fixed'")
+    max_tokens = cfg.generation.batch_size * (drafter.num_draft_tokens + 1)
+    return make_scheduler(cfg.scheduler, target, max_tokens, log=log)
+
+
 def check_supported(cfg: ExperimentConfig) -> None:
     """Config values the runner cannot honour yet are errors, not silently ignored."""
-    if cfg.scheduler.kind != "fixed":
-        raise ValueError(f"scheduler.kind: {cfg.scheduler.kind!r} is not wired into the engine yet; use 'fixed'")
-    if cfg.mesh.data * cfg.mesh.model > 1:
-        raise ValueError("mesh: multi-device runs are not supported by `specdec run` yet; use data=1, model=1")
+    if cfg.generation.batch_size % cfg.mesh.data:
+        raise ValueError(f"generation.batch_size={cfg.generation.batch_size} is not divisible by mesh.data="
+                         f"{cfg.mesh.data}: data parallelism gives every data shard the same number of rows")

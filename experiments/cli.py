@@ -152,7 +152,7 @@ def cmd_data(args) -> int:
     if not tc.data_dir:
         raise ValueError("train.data_dir: set the directory the distillation data is written to")
     print(f"loading target {cfg.model.name} ...", flush=True)
-    target = build_target(cfg.model)
+    target = build_target(cfg.model, cfg.mesh)
     sampling = cfg.sampling.to_params()
     gen = cfg.generation
     prompts = []
@@ -197,7 +197,7 @@ def cmd_train(args) -> int:
     run_dir = Path(cfg.output.dir) / name
     data = load_distill_data(cfg.train.data_dir)
     print(f"loading target {cfg.model.name} ...", flush=True)
-    target = build_target(cfg.model)
+    target = build_target(cfg.model, cfg.mesh)
     drafters.available()  # drafter modules register their training tasks on import
     task = make_task(cfg.drafter.name, target, cfg.train.drafter_options)
     tracker = make_tracker(cfg.tracking, run_name=name, out_dir=run_dir, config=to_dict(cfg))

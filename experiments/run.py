@@ -56,8 +56,8 @@ from typing import Callable
 import yaml
 
 from experiments import plots
-from experiments.build import (build_drafter, build_target, check_supported, codec_for, drafter_label,
-                               effective_policy)
+from experiments.build import (build_drafter, build_scheduler, build_target, check_supported, codec_for,
+                               drafter_label, effective_policy)
 from experiments.datasets import Prompt, load_all
 from experiments.lossless import LosslessError, LosslessResult, check_greedy, check_sampled, skipped
 from experiments.provenance import load_average, provenance
@@ -357,13 +357,14 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
         return json.loads(paths.summary.read_text())
 
     started, load_start = time.time(), load_average()
-    target = build_target(cfg.model)
+    target = build_target(cfg.model, cfg.mesh)
     codec = codec_for(target)
     chat = cfg.data.chat_template and codec.chat_template is not None
     prompts = load_all(cfg.data.datasets, chat=chat)
     ids = {p.key: codec.encode(p.text, chat=chat) for p in prompts}
     drafter, dparams = build_drafter(cfg, target)
     policy_name, policy_note = effective_policy(cfg.verify, drafter)
+    scheduler = build_scheduler(cfg, target, drafter, log=echo)
     policy = get_policy(policy_name)
     sampling = cfg.sampling.to_params()
     label = drafter_label(drafter, dparams)
@@ -391,7 +392,7 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
     def decode_spec(batch_ids, seed):
         out = speculative_generate(target, drafter, batch_ids, policy=policy_name, max_new_tokens=gen.max_new_tokens,
                                    sampling=sampling, seed=seed, compiled=compiled, max_seq_len=max_len,
-                                   warmup=cfg.eval.warmup)
+                                   warmup=cfg.eval.warmup, scheduler=scheduler)
         return out.tokens, out.metrics
 
     def phase(method: str, decode, model_id: str):
@@ -477,7 +478,7 @@ def _draft_verify_split(paths, target, drafter, policy_name, sampling, batches, 
             out = speculative_generate(target, drafter, first, policy=policy_name,
                                        max_new_tokens=cfg.generation.max_new_tokens, sampling=sampling,
                                        seed=cfg.sampling.seed, compiled=False, max_seq_len=cfg.model.max_seq_len,
-                                       warmup=True)
+                                       warmup=True, scheduler=build_scheduler(cfg, target, drafter, log=echo))
             prof = {"prompts": len(first), "draft_seconds": out.metrics.draft_seconds,
                     "verify_seconds": out.metrics.verify_seconds, "decode_seconds": out.metrics.decode_seconds}
             paths.profile.write_text(json.dumps(prof, indent=2))
@@ -509,7 +510,8 @@ def _lossless(cfg, prompts, ids, stores, target, drafter, policy, sampling, deco
             raise RuntimeError("internal: fewer AR outputs than lossless_check.samples")
         return check_greedy(ar_tokens, spec_tokens, checked)
     return check_sampled(target, drafter, {k: ids[k] for k in sample_keys}, policy=policy.name, sampling=sampling,
-                         seed=cfg.sampling.seed + 10_000, max_seq_len=cfg.model.max_seq_len)
+                         seed=cfg.sampling.seed + 10_000, max_seq_len=cfg.model.max_seq_len,
+                         scheduler=build_scheduler(cfg, target, drafter, log=lambda m: None))
 
 
 def _finish(cfg, name, paths, prompts, ids, stores, tracker, target, drafter, label, policy, policy_note, sampling,

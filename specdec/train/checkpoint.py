@@ -125,13 +125,17 @@ def write_drafter_config(run_dir: str | os.PathLike, name: str, config: dict, ta
 
 def export_params(run_dir: str | os.PathLike, params: Any, buffers: Any, step: int) -> Path:
     """Write params.npz atomically (a killed export never leaves a half file)."""
+    from specdec.sharding import to_host
+
     path = Path(run_dir) / PARAMS_FILE
-    flat = {f"params/{k}": v for k, v in flatten(jax.device_get(params)).items()}
-    flat.update({f"buffers/{k}": v for k, v in flatten(jax.device_get(buffers)).items()})
+    # to_host gathers arrays sharded over other hosts' devices (a collective: every process runs it)
+    flat = {f"params/{k}": v for k, v in flatten(jax.tree.map(to_host, params)).items()}
+    flat.update({f"buffers/{k}": v for k, v in flatten(jax.tree.map(to_host, buffers)).items()})
     flat["step"] = np.asarray(step)
-    tmp = path.with_name("params.partial.npz")
-    np.savez(tmp, **flat)
-    os.replace(tmp, path)
+    if jax.process_index() == 0:  # multi-host: one writer of the shared run directory
+        tmp = path.with_name("params.partial.npz")
+        np.savez(tmp, **flat)
+        os.replace(tmp, path)
     return path
 
 

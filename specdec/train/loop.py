@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from specdec import sharding
 from specdec.train import checkpoint as ckpt_lib
 from specdec.train.data import DistillData
 from specdec.train.features import (build_feature_cache, cached_features, data_fingerprint, online_features,
@@ -167,6 +169,17 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def calibrate(task, spec: StepSpec, state: dict, consts, target, eval_idx, batch_size: int, make_batch) -> dict:
+    """New buffers from `task.calibrate(params, consts, [(batch, feats), ...])` over the held-out examples."""
+    feats_fn = jax.jit(_features, static_argnums=(0, 3))
+    pairs = []
+    for start in range(0, len(eval_idx), batch_size):
+        rows = eval_idx[start: start + batch_size]
+        batch = make_batch(np.concatenate([rows, np.repeat(rows[-1:], batch_size - len(rows))]), len(rows))
+        pairs.append((batch, feats_fn(spec, target.params, batch, True)))
+    return task.calibrate(state["params"], consts, pairs)
+
+
 def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=None, progress: bool = True,
           full_config: dict | None = None, eval_draft_len: int = 5, hook: Callable[[int, dict], None] | None = None,
           log: Callable[[str], None] = print) -> dict:
@@ -190,6 +203,8 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
         stored_cfg.write_text(yaml.safe_dump(full_config, sort_keys=False))
 
     seq_len = cfg.seq_len
+    mesh = sharding.mesh_of(target)  # None: one device
+    sharding.check_batch(cfg.batch_size, mesh, "train.batch_size")
     pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     arrays = data.padded(seq_len, pad)
     train_idx, eval_idx = data.split_indices(cfg.eval_examples)
@@ -221,6 +236,8 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
             batch["lengths"][real:] = 0
         if cache is not None:
             batch["feats"] = cache.batch(rows, batch["lengths"], seq_len)
+        if mesh is not None:  # data parallelism: rows split over the mesh's data axis
+            return sharding.place_batch(batch, mesh)
         return {k: jnp.asarray(v) for k, v in batch.items()}
 
     hyper = Hyper.from_config(cfg)
@@ -231,6 +248,9 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
     state = {"params": params, "buffers": buffers, "opt_state": tx.init(params), "step": jnp.int32(0),
              "key": jax.random.PRNGKey(cfg.seed + 1)}
     state = jax.tree.map(jnp.array, state)  # own buffers: the step donates the state (init may alias the target)
+    # On a sharded target's mesh the state is placed there before any restore, so orbax restores onto this mesh's
+    # shardings whatever mesh the checkpoint was saved from.
+    state = sharding.place_drafter_state(state, mesh)
     order = BatchOrder(train_idx, cfg.batch_size, cfg.seed)
     ckpt_lib.write_drafter_config(run, task.name, task.config(), ckpt_lib.target_info(target))
     store = ckpt_lib.CheckpointStore(run / ckpt_lib.CHECKPOINTS, keep=cfg.keep_checkpoints)
@@ -247,7 +267,8 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
     # copies: the state (which holds the buffers too) is donated to the step, consts are not
     consts = {**task.frozen(target), **jax.tree.map(jnp.array, state["buffers"])}
 
-    metrics_file = (run / "metrics.jsonl").open("a")
+    # multi-host: one writer of the shared run directory (every process computes the same metrics)
+    metrics_file = (run / "metrics.jsonl").open("a") if jax.process_index() == 0 else open(os.devnull, "w")
 
     def emit(kind: str, step: int, values: dict) -> None:
         record = {"kind": kind, "step": step, **values}
@@ -313,7 +334,7 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
                     emit("error", step + 1, {"message": msg})
                     raise TrainingDiverged(msg)
                 step += 1
-                tokens_seen += int(np.asarray(batch["lengths"]).sum())
+                tokens_seen += int(sharding.to_host(batch["lengths"]).sum())  # rows may live on other hosts
                 window.append({k: _host(v) for k, v in m.items() if k != "finite"})
                 bar.update(1)
                 if step % cfg.log_every == 0 or step == cfg.steps:
@@ -342,6 +363,9 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
             bar.close()
         if status == "complete":
             final_eval = evaluate(step)
+            if hasattr(task, "calibrate") and len(eval_idx):  # e.g. DSpark's confidence temperatures
+                state["buffers"] = calibrate(task, spec, state, consts, target, eval_idx, cfg.batch_size, make_batch)
+                log(f"calibrated {task.name} on {len(eval_idx)} held-out examples")
         export = ckpt_lib.export_params(run, state["params"], state["buffers"], step)
     finally:
         metrics_file.close()
