@@ -27,24 +27,15 @@ MBPP splits follow the paper: test = task_id 11-510 (default), validation 511-60
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
-import os
-import re
-from pathlib import Path
 from typing import Any, Sequence
 
 from specdec.config import DatasetConfig
+from specdec.records import DataError, load_records, record_text
 from specdec.prompts import PROMPT_SETS, builtin
 
-FILE_SUFFIXES = (".jsonl", ".json", ".csv")
 MBPP_SPLITS = {"test": (11, 510), "validation": (511, 600), "train": (601, 974), "prompt": (1, 10)}
-GENERIC_FIELDS = ("prompt", "instruction", "question", "text", "input", "query")
-
-
-class DatasetError(ValueError):
-    """A prompt source that cannot be loaded; the message names the dataset and what to do."""
+DatasetError = DataError  # one error class for unloadable data, experiments and distillation alike
 
 
 @dataclasses.dataclass
@@ -90,21 +81,6 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
                          "the signature) in one ```python code block.\n\n```python\n{prompt}```")
 
 
-def _generic_text(record: dict, field: str | None, where: str) -> str:
-    if field is not None:
-        if field not in record:
-            raise DatasetError(f"{where}: field {field!r} not found; the records have fields {sorted(record)}")
-        return str(record[field])
-    for name in GENERIC_FIELDS:
-        if isinstance(record.get(name), str) and record[name].strip():
-            text = record[name]
-            if name == "instruction" and isinstance(record.get("input"), str) and record["input"].strip():
-                text = f"{text}\n\n{record['input']}"
-            return text
-    raise DatasetError(f"{where}: cannot tell which field holds the prompt (fields: {sorted(record)}); "
-                       f"set `field` in the dataset config")
-
-
 def to_prompt(record: dict, index: int, *, label: str, layout: str, field: str | None, category: str | None,
               chat: bool, where: str) -> Prompt:
     """One record of a known layout as a Prompt."""
@@ -130,83 +106,12 @@ def to_prompt(record: dict, index: int, *, label: str, layout: str, field: str |
         ref = {"test_list": tests, "test_setup_code": record.get("test_setup_code", "")}
         return Prompt(label, qid, category or "code", text, ref, layout)
     cat = category or (str(record["category"]) if isinstance(record.get("category"), str) else label)
-    return Prompt(label, qid, cat, _generic_text(record, field, where), None, "generic")
+    return Prompt(label, qid, cat, record_text(record, field, where), None, "generic")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Sources
 # ---------------------------------------------------------------------------------------------------------
-
-def resolve_path(name: str) -> Path:
-    expanded = os.path.expanduser(os.path.expandvars(name))
-    missing = re.findall(r"\$\{?([A-Za-z_]\w*)", expanded)
-    if missing:
-        raise DatasetError(f"dataset path {name!r} uses ${missing[0]}, which is not set; export it (e.g. "
-                           f"export {missing[0]}=/path/to/data) or write the path out")
-    return Path(expanded)
-
-
-def looks_like_file(name: str) -> bool:
-    return name.lower().endswith(FILE_SUFFIXES) or "/" in name and Path(os.path.expandvars(name)).exists()
-
-
-def read_records(path: Path, split: str | None = None) -> list[dict]:
-    """Plain records from a .jsonl / .json / .csv file."""
-    if not path.is_file():
-        raise DatasetError(f"dataset file not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        records = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DatasetError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-        return records
-    if suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-        if isinstance(data, dict):  # {"test": [...], "train": [...]} or {"data": [...]}
-            key = split if split in data else ("data" if "data" in data else None)
-            if key is None or not isinstance(data[key], list):
-                raise DatasetError(f"{path}: a JSON object must hold the records under the split name or "
-                                   f"'data'; found keys {sorted(data)}")
-            data = data[key]
-        if not isinstance(data, list):
-            raise DatasetError(f"{path}: expected a list of records, got {type(data).__name__}")
-        return data
-    if suffix == ".csv":
-        with path.open(encoding="utf-8", newline="") as f:
-            return list(csv.DictReader(f))
-    raise DatasetError(f"{path}: unsupported file type {suffix!r}; use one of {', '.join(FILE_SUFFIXES)}")
-
-
-def load_hub(name: str, split: str | None) -> list[dict]:
-    """Records of a `datasets` hub dataset ("owner/name" or "owner/name:config")."""
-    repo, _, config = name.partition(":")
-    offline = os.environ.get("HF_DATASETS_OFFLINE", "") in ("1", "true", "TRUE", "yes") or \
-        os.environ.get("HF_HUB_OFFLINE", "") in ("1", "true", "TRUE", "yes")
-    hint = ("pass a local .jsonl/.json/.csv path instead (download the dataset on a machine with network "
-            "access, e.g. `datasets.load_dataset(...).to_json('file.jsonl')`)")
-    if offline:
-        raise DatasetError(f"dataset {name!r} is a Hugging Face hub name, but hub access is unavailable "
-                           f"(HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set); {hint}")
-    try:
-        import datasets
-    except ImportError:
-        raise DatasetError(f"dataset {name!r} looks like a hub name but the `datasets` package is not "
-                           f"installed; {hint}") from None
-    try:
-        ds = datasets.load_dataset(repo, config or None, split=split or "test")
-    except Exception as e:  # offline mode, no network, unknown name, missing split
-        raise DatasetError(f"dataset {name!r} could not be loaded from the Hugging Face hub "
-                           f"({type(e).__name__}: {str(e)[:200]}); {hint}") from None
-    return [dict(r) for r in ds]
-
 
 def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
     """The prompts of one dataset entry (after split filtering and `limit`)."""
@@ -217,14 +122,7 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
         items = [Prompt(name, i, ds.category or cat, text, None, "builtin")
                  for i, (cat, text) in enumerate(builtin(name))]
         return _select(items, ds)
-    if looks_like_file(name):
-        path = resolve_path(name)
-        records, label = read_records(path, ds.split), path.stem
-        where = str(path)
-    else:
-        records, label, where = load_hub(name, ds.split), name.rsplit("/", 1)[-1].partition(":")[0], name
-    if not records:
-        raise DatasetError(f"{where}: no records")
+    records, where, label = load_records(name, ds.split, default_split="test")
     layout = detect_layout(records[0])
     if layout != "generic" and ds.field is None:
         label = layout  # gsm8k/0, humaneval/HumanEval/0, mt_bench/81, mbpp/11
@@ -239,8 +137,6 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
     for i, record in enumerate(records):
         if ds.limit and not ds.per_category and len(prompts) >= ds.limit:
             break
-        if not isinstance(record, dict):
-            raise DatasetError(f"{where}: record {i} is a {type(record).__name__}, not an object")
         prompts.append(to_prompt(record, i, label=label, layout=layout, field=ds.field, category=ds.category,
                                  chat=chat, where=where))
     return _select(prompts, ds)

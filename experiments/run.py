@@ -302,7 +302,11 @@ def markdown_table(summary: dict) -> str:
               f"- lossless check: {summary['lossless']['description']}"]
     for name, q in (summary.get("quality") or {}).items():
         vals = ", ".join(f"{m} {_fmt(q.get(m), '.3f')}" for m in (AR, SPEC) if m in q)
-        same = {True: "identical", False: "DIFFERENT", None: "n/a"}[q.get("identical")]
+        if summary["temperature"] == 0:
+            same = {True: "identical", False: "DIFFERENT", None: "n/a"}[q.get("identical")]
+        else:  # sampled outputs are not expected to match prompt by prompt
+            same = {True: "same per-prompt results", False: "per-prompt results differ, as sampling allows",
+                    None: "n/a"}[q.get("identical")]
         lines.append(f"- {name} {q['metric']} (n={q['n']}): {vals} ({same})")
     if summary.get("policy_note"):
         lines.append(f"- note: {summary['policy_note']}")

@@ -82,6 +82,9 @@ def test_overrides_nested_lists_bools_and_strings():
     assert cfg.verify.tree.dynamic.depth == 3 and cfg.verify.tree.paths is None
     assert cfg.output.name == "123"  # a number typed for a str field stays the text typed
     assert cfg.drafter.path is None and cfg.model.seed == 7
+    # exponents without a dot are floats (YAML 1.1 would read `8e-4` as a string), on the command line and in files
+    cfg = load_config({}, ["train.lr=8e-4", "sampling.top_p=1E0"])
+    assert cfg.train.lr == 8e-4 and cfg.sampling.top_p == 1.0
 
 
 def test_overrides_later_wins_and_whole_section():
@@ -308,3 +311,8 @@ def test_configs_are_immutable():
 
 def test_single_override_string_is_not_split_into_characters():
     assert load_config({}, "generation.batch_size=3").generation.batch_size == 3
+
+
+def test_exponent_floats_in_files(tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  lr: 3e-4\n")
+    assert load_config(tmp_path / "c.yaml").train.lr == 3e-4

@@ -22,12 +22,10 @@ rerun with the same settings skips finished shards, so an interrupted run resume
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -36,17 +34,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from specdec.generate import PROMPT_BUCKET, check_fits
+from specdec.records import DataError, load_records, record_text
 from specdec.sampling import SamplingParams
 
 SELF_PROMPTS = "self"  # data.datasets name meaning "the target writes the prompts"
-PROMPT_FIELDS = ("prompt", "instruction", "question", "text", "input", "query")
-FILE_SUFFIXES = (".jsonl", ".json", ".csv")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-
-
-class DataError(ValueError):
-    """Distillation data that cannot be loaded or built; the message says what to do."""
 
 
 @dataclasses.dataclass
@@ -61,98 +54,19 @@ class PromptRecord:
 # Prompt sources
 # ---------------------------------------------------------------------------------------------------------
 
-def _record_text(record: dict, field: str | None, where: str) -> str:
-    if field is not None:
-        if field not in record:
-            raise DataError(f"{where}: field {field!r} not found; the records have fields {sorted(record)}")
-        value = record[field]
-        return str(value[0] if isinstance(value, list) and value else value)
-    if isinstance(record.get("turns"), list) and record["turns"]:
-        return str(record["turns"][0])
-    for name in PROMPT_FIELDS:
-        if isinstance(record.get(name), str) and record[name].strip():
-            text = record[name]
-            if name == "instruction" and isinstance(record.get("input"), str) and record["input"].strip():
-                text = f"{text}\n\n{record['input']}"
-            return text
-    raise DataError(f"{where}: cannot tell which field holds the prompt (fields: {sorted(record)}); set `field`")
-
-
-def _read_file(path: Path, split: str | None) -> list[dict]:
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        out = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-        return out
-    if suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-        if isinstance(data, dict):
-            key = split if split in data else ("data" if "data" in data else None)
-            if key is None:
-                raise DataError(f"{path}: expected a list of records (or one under the split name / 'data'); "
-                                f"found keys {sorted(data)}")
-            data = data[key]
-        if not isinstance(data, list):
-            raise DataError(f"{path}: expected a list of records, got {type(data).__name__}")
-        return data
-    if suffix == ".csv":
-        with path.open(encoding="utf-8", newline="") as f:
-            return list(csv.DictReader(f))
-    raise DataError(f"{path}: unsupported file type {suffix!r}; use one of {', '.join(FILE_SUFFIXES)}")
-
-
-def _read_hub(name: str, split: str | None) -> list[dict]:
-    repo, _, config = name.partition(":")
-    hint = ("pass a local .jsonl/.json/.csv path instead (export the dataset on a machine with network access, "
-            "e.g. `datasets.load_dataset(...).to_json('prompts.jsonl')`)")
-    flags = ("1", "true", "yes", "on")
-    if os.environ.get("HF_DATASETS_OFFLINE", "").lower() in flags or os.environ.get("HF_HUB_OFFLINE", "").lower() in flags:
-        raise DataError(f"prompt dataset {name!r} is a Hugging Face hub name, but the hub is offline "
-                        f"(HF_DATASETS_OFFLINE / HF_HUB_OFFLINE is set); {hint}")
-    try:
-        import datasets
-        ds = datasets.load_dataset(repo, config or None, split=split or "train")
-    except Exception as e:  # offline, no network, unknown name, missing split
-        raise DataError(f"prompt dataset {name!r} could not be loaded from the Hugging Face hub "
-                        f"({type(e).__name__}: {str(e)[:200]}); {hint}") from None
-    return [dict(r) for r in ds]
-
-
 def load_prompt_records(name: str, *, split: str | None = None, field: str | None = None,
                         limit: int | None = None) -> list[PromptRecord]:
     """Prompts from a local file (by suffix) or a `datasets` hub name ("owner/name[:config]")."""
     if name == SELF_PROMPTS:
         raise DataError(f"{SELF_PROMPTS!r} prompts are written by the target: use self_generated_prompts")
-    expanded = os.path.expanduser(os.path.expandvars(name))
-    unset = re.findall(r"\$\{?([A-Za-z_]\w*)", expanded)
-    if unset:
-        raise DataError(f"prompt source {name!r} uses ${unset[0]}, which is not set; export it (e.g. "
-                        f"export {unset[0]}=/path/to/data) or write the path out")
-    path = Path(expanded)
-    if expanded.lower().endswith(FILE_SUFFIXES) or path.exists():
-        if not path.is_file():
-            raise DataError(f"prompt file not found: {path}")
-        records, where, label = _read_file(path, split), str(path), path.stem
-    else:
-        records, where, label = _read_hub(name, split), name, name.rsplit("/", 1)[-1]
+    records, where, label = load_records(name, split, default_split="train")
     out = []
     for i, record in enumerate(records):
         if limit is not None and len(out) >= limit:
             break
-        if not isinstance(record, dict):
-            raise DataError(f"{where}: record {i} is a {type(record).__name__}, not an object")
         rid = next((str(record[k]) for k in ("id", "question_id", "task_id") if k in record), f"{label}-{i}")
         out.append(PromptRecord(id=rid, source=str(record.get("source", label)),
-                                text=_record_text(record, field, f"{where} record {i}")))
+                                text=record_text(record, field, f"{where} record {i}")))
     if not out:
         raise DataError(f"{where}: no prompts")
     return out

@@ -93,7 +93,7 @@ def train_step(spec: StepSpec, state: dict, consts, tparams, batch: dict):
     feats = _features(spec, tparams, batch, spec.task.needs_target_logits)
     grad_fn = jax.value_and_grad(spec.task.loss, has_aux=True)
     (loss, metrics), grads = grad_fn(state["params"], consts, batch, feats, sub)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     tx = make_optimizer(spec.hyper)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])

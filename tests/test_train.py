@@ -1,0 +1,224 @@
+"""Drafter training end to end on the tiny random target: the `specdec data` / `specdec train` commands, every
+trained drafter (loss falls and teacher-forced expected tau rises on held-out data, then greedy decoding with it
+equals AR), a killed-and-resumed run ends bitwise equal to an uninterrupted one (with a NaN episode in between
+that the guard stops without touching the checkpoints), cached features equal online ones, and bad
+checkpoints / data / configs fail with clear errors.
+
+All runs share one compiled train step per drafter (equal settings hash equal), so keep the overrides below in
+step with each other."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import drafters
+from drafters import create_drafter
+from experiments import cli
+from experiments.build import build_target
+from experiments.tracking import MemoryTracker
+from specdec.config import load_config, to_dict
+from specdec.engine import speculative_generate
+from specdec.generate import generate
+from specdec.target import Target
+from specdec.train import checkpoint as ckpt
+from specdec.train import data as D
+from specdec.train.features import build_feature_cache, cached_features, online_features
+from specdec.train.loop import TrainingDiverged, train
+from specdec.train.tasks import make_task
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny.yaml")
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
+DRAFTERS = {  # name -> (overrides, draft length for greedy decoding)
+    "eagle3": (["drafter.name=eagle3"], 3),
+    "medusa": (["drafter.name=medusa", "train.drafter_options={num_heads: 3}", "train.lr=0.01"], 3),
+    "distilled_lm": (["drafter.name=distilled_lm", "train.drafter_options={num_layers: 1}", "train.lr=0.003"], 3),
+}
+
+
+class SimulatedKill(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_target(load_config(CONFIG).model)
+
+
+@pytest.fixture(scope="module")
+def data_dir(work):
+    out = work / "data"
+    assert cli.main(["data", CONFIG, f"train.data_dir={out}", "--no-progress"]) == 0
+    return out
+
+
+def overrides(work, data_dir, name):
+    return [f"train.data_dir={data_dir}", f"output.dir={work / 'runs'}", f"output.name={name}",
+            *DRAFTERS[name][0]]
+
+
+_RUNS: dict = {}
+
+
+def trained(work, data_dir, name) -> Path:
+    """Train `name` once per module through the CLI; returns its run directory."""
+    if name not in _RUNS:
+        assert cli.main(["train", CONFIG, *overrides(work, data_dir, name), "--no-progress"]) == 0
+        _RUNS[name] = work / "runs" / name
+    return _RUNS[name]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------
+
+def test_data_is_target_responses_with_response_mask_and_resumes(data_dir, target):
+    data = D.load_distill_data(data_dir)
+    summary = json.loads((data_dir / "summary.json").read_text())
+    assert len(data) == summary["examples"] == summary["prompts"] > 80
+    for ids, mask, plen in zip(data.input_ids, data.loss_mask, data.prompt_lens):
+        assert mask[:plen].sum() == 0 and mask[plen:].all() and len(ids) > plen
+    assert len(set(data.ids)) == len(data)
+    before = [x.copy() for x in data.input_ids]
+    # a rerun skips finished shards; a lost shard is regenerated exactly
+    shutil.rmtree(data_dir / "shards" / "shard_00001")
+    assert cli.main(["data", CONFIG, f"train.data_dir={data_dir}", "--no-progress"]) == 0
+    summary = json.loads((data_dir / "summary.json").read_text())
+    assert 0 < summary["new_tokens_this_run"] < sum(len(x) for x in before)
+    after = D.load_distill_data(data_dir).input_ids
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    with pytest.raises(D.DataError, match="other settings.*shard_size"):
+        cli_args = ["data", CONFIG, f"train.data_dir={data_dir}", "train.shard_size=32", "--no-progress"]
+        args = cli.build_parser().parse_args(cli_args)
+        args.func(args)
+
+
+def test_prompt_files_and_offline_hub(tmp_path, monkeypatch):
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "hi"}\n{"instruction": "do", "input": "this"}\n')
+    (tmp_path / "p.csv").write_text("prompt\nfirst\nsecond\n")
+    (tmp_path / "p.json").write_text('{"train": [{"question": "why?"}]}')
+    recs = D.load_prompt_records(str(tmp_path / "p.jsonl"))
+    assert [(r.id, r.text) for r in recs] == [("a", "hi"), ("p-1", "do\n\nthis")]
+    assert [r.text for r in D.load_prompt_records(str(tmp_path / "p.csv"), limit=1)] == ["first"]
+    assert [r.text for r in D.load_prompt_records(str(tmp_path / "p.json"), split="train")] == ["why?"]
+    with pytest.raises(D.DataError, match="not found"):
+        D.load_prompt_records(str(tmp_path / "missing.jsonl"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(D.DataError, match="'someone/prompts' is a Hugging Face hub name.*offline"):
+        D.load_prompt_records("someone/prompts")
+    with pytest.raises(D.DataError, match="no distillation data"):
+        D.load_distill_data(tmp_path / "nothing")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training end to end, and decoding with what was trained
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_trained_drafter_improves_and_decodes_losslessly(work, data_dir, target, name):
+    run = trained(work, data_dir, name)
+    summary = json.loads((run / "summary.json").read_text())
+    first, final = summary["first_eval"], summary["final_eval"]
+    assert summary["status"] == "complete" and summary["steps"] == 200
+    assert final["loss"] < 0.9 * first["loss"], (first, final)
+    assert final["expected_tau"] > first["expected_tau"] + 0.05, (first, final)
+    drafter = create_drafter(name, target, DRAFTERS[name][1], path=str(run))
+    ar = generate(target, PROMPTS, max_new_tokens=17)
+    out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=17)
+    assert out.tokens == ar.tokens
+    assert out.metrics.tau >= 1.0
+
+
+def test_killed_and_resumed_equals_uninterrupted_with_a_nan_episode(work, data_dir, target):
+    reference = trained(work, data_dir, "medusa")  # uninterrupted, through the CLI
+    cfg = load_config(CONFIG, overrides(work, data_dir, "medusa"))
+    task = make_task("medusa", target, cfg.train.drafter_options)
+    data = D.load_distill_data(data_dir)
+    run = work / "runs" / "medusa_killed"
+    tracker = MemoryTracker()
+
+    def kill(step, metrics):
+        if step == 75:  # after the checkpoint at 50, before the one at 100
+            raise SimulatedKill
+
+    with pytest.raises(SimulatedKill):
+        train(task, target, data, cfg.train, run, tracker=tracker, progress=False, eval_draft_len=3, hook=kill,
+              log=lambda s: None)
+    assert ckpt.CheckpointStore(run / "checkpoints").steps() == [50]
+    assert any("eval/expected_tau" in m for _, m in tracker.metrics)
+    assert any("train/loss" in m for _, m in tracker.metrics)
+
+    # a NaN episode: the guard stops at the first bad step and leaves the checkpoints alone
+    bad = Target(target.cfg, {**target.params, "embed": target.params["embed"] * jnp.nan}, None, target.backend)
+    with pytest.raises(TrainingDiverged, match=r"non-finite loss/gradient at step 51.*last good checkpoint is step 50"):
+        train(task, bad, data, cfg.train, run, progress=False, eval_draft_len=3, log=lambda s: None)
+    assert ckpt.CheckpointStore(run / "checkpoints").steps() == [50]
+
+    summary = train(task, target, data, cfg.train, run, progress=False, eval_draft_len=3, log=lambda s: None)
+    assert summary["resumed_from"] == 50 and summary["steps"] == 200
+    a, b = ckpt.load_drafter(reference), ckpt.load_drafter(run)
+    flat_a, flat_b = ckpt.flatten(a["params"]), ckpt.flatten(b["params"])
+    assert flat_a.keys() == flat_b.keys()
+    for key in flat_a:
+        np.testing.assert_array_equal(flat_a[key], flat_b[key], err_msg=key)  # bitwise
+
+
+def test_resume_refuses_another_config(work, data_dir, target):
+    run = trained(work, data_dir, "eagle3")
+    with pytest.raises(ValueError, match="another config.*train.lr"):
+        args = cli.build_parser().parse_args(["train", CONFIG, *overrides(work, data_dir, "eagle3"), "train.lr=0.5",
+                                              "--no-progress"])
+        args.func(args)
+    assert (run / "params.npz").is_file()
+
+
+def test_bad_checkpoints_are_clear_errors(work, data_dir, target, tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        ckpt.load_drafter(tmp_path / "nope")
+    with pytest.raises(ckpt.CheckpointError, match="not a trained drafter"):
+        create_drafter("eagle3", target, 3, path=str(tmp_path))
+    with pytest.raises(ValueError, match="needs a trained checkpoint"):
+        create_drafter("medusa", target, 3)
+    run = trained(work, data_dir, "medusa")
+    with pytest.raises(ckpt.CheckpointError, match="holds a 'medusa' drafter, not 'eagle3'"):
+        create_drafter("eagle3", target, 3, path=str(run))
+    # an unreadable orbax checkpoint (no params.npz: load falls back to it)
+    broken = tmp_path / "broken"
+    shutil.copytree(run, broken)
+    (broken / "params.npz").unlink()
+    last = max(int(p.name) for p in (broken / "checkpoints").iterdir() if p.name.isdigit())
+    for f in (broken / "checkpoints" / str(last) / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with pytest.raises(ckpt.CheckpointError, match=f"step {last}.*cannot be restored"):
+        ckpt.load_drafter(broken)
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        ckpt.CheckpointStore(tmp_path / "absent", create=False)
+
+
+def test_cached_features_equal_online_ones(data_dir, target, tmp_path):
+    drafters.available()
+    task = make_task("eagle3", target, {"ttt_steps": 1})
+    arrays = D.load_distill_data(data_dir).padded(64, 2)
+    small = {k: v[:5] for k, v in arrays.items()}
+    cache = build_feature_cache(target, small, task.taps, True, tmp_path / "f", dtype="float32", batch_size=2,
+                                progress=False)
+    stored = cache.stored
+    assert cache.bytes_per_token == len(stored) * target.cfg.hidden_size * 4
+    rows = np.array([2, 3])  # one batch of the cache build: the same arithmetic as online
+    feats = jax.jit(lambda tp, f: cached_features(tp, target.cfg, f, task.taps, stored, True))(
+        target.params, jnp.asarray(cache.batch(rows, small["lengths"][rows], 64)))
+    ref = jax.jit(lambda tp, t: online_features(tp, target.cfg, target.forward, t, task.taps, True))(
+        target.params, jnp.asarray(small["tokens"][rows]))
+    valid = np.arange(64)[None, :] < small["lengths"][rows][:, None]
+    np.testing.assert_allclose(np.asarray(feats.taps)[:, valid], np.asarray(ref.taps)[:, valid], rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(feats.logits)[valid], np.asarray(ref.logits)[valid], rtol=1e-5, atol=1e-3)
