@@ -29,6 +29,7 @@ from specdec.generate import cache_capacity, check_fits, context_limit, pad_prom
 from specdec.metrics import DecodeMetrics
 from specdec.models.transformer import KVCache
 from specdec.sampling import GREEDY, SamplingParams, sample
+from specdec.sharding import to_host
 from specdec.target import Target
 from specdec.verify import Draft, VerifyResult, get_policy
 
@@ -191,7 +192,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
         raise ValueError(f"policy {policy!r} verifies chains only, but drafter {drafter.name!r} proposes trees; "
                          "use greedy_tree, multidraft_tree or typical")
     if scheduler is not None and scheduler.needs_confidence:
-        if drafter.kind != "chain" or not hasattr(drafter, "draft_confidence"):
+        if drafter.kind != "chain" or not drafter.has_confidence:
             raise ValueError(f"scheduler {scheduler.kind!r} needs a chain drafter with draft confidences "
                              f"(dflash, dspark); drafter {drafter.name!r} has none")
     compiled = drafter.jittable if compiled is None else compiled
@@ -243,12 +244,14 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
             verify_s += tc - tb
     t2 = time.perf_counter()
 
-    seq, seq_len = np.asarray(state.seq), np.asarray(state.seq_len)
+    # to_host: on several hosts a row-sharded array is gathered first (np.asarray refuses non-local arrays)
+    seq, seq_len, rounds, accepted, proposed, pos_proposed, pos_accepted = map(to_host, (
+        state.seq, state.seq_len, state.rounds, state.accepted, state.proposed, state.position_proposed,
+        state.position_accepted))
     rows = [seq[i, lengths[i]: seq_len[i]].tolist() for i in range(len(tokens))]
     metrics = DecodeMetrics(
-        new_tokens=int(np.sum(seq_len - lengths)), rounds=int(np.sum(state.rounds)),
-        accepted_draft_tokens=int(np.sum(state.accepted)), proposed_draft_tokens=int(np.sum(state.proposed)),
+        new_tokens=int(np.sum(seq_len - lengths)), rounds=int(np.sum(rounds)),
+        accepted_draft_tokens=int(np.sum(accepted)), proposed_draft_tokens=int(np.sum(proposed)),
         prefill_seconds=t1 - t0, decode_seconds=t2 - t1, draft_seconds=draft_s, verify_seconds=verify_s,
-        position_proposed=np.asarray(state.position_proposed).tolist(),
-        position_accepted=np.asarray(state.position_accepted).tolist(), batch_size=len(tokens))
+        position_proposed=pos_proposed.tolist(), position_accepted=pos_accepted.tolist(), batch_size=len(tokens))
     return SpecOutput(tokens=rows, metrics=metrics)

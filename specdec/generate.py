@@ -18,6 +18,7 @@ import numpy as np
 
 from specdec.models.transformer import KVCache
 from specdec.sampling import GREEDY, SamplingParams, sample
+from specdec.sharding import to_host
 from specdec.target import Target
 
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this, so a few compiled prefill shapes serve all
@@ -153,7 +154,7 @@ def _generate(target, tokens, lengths, max_new_tokens, limit, sampling, seed) ->
                               forward=target.forward,
                               cfg=target.cfg, sampling=sampling, max_new_tokens=max_new_tokens,
                               eos_ids=tuple(target.eos_token_ids))
-    out, counts = np.asarray(out), np.asarray(counts)
+    out, counts = to_host(out), to_host(counts)  # multi-host: gathers rows that live on other hosts
     t2 = time.perf_counter()
     rows = [out[i, : counts[i]].tolist() for i in range(len(tokens))]
     return GenerationOutput(rows, lengths.tolist(), t1 - t0, t2 - t1)
