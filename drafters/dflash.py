@@ -43,7 +43,7 @@ from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
-from specdec.train.checkpoint import check_target, load_drafter
+from specdec.train.checkpoint import load_trained
 from specdec.verify import Draft
 
 NAME = "dflash"
@@ -412,6 +412,7 @@ class DFlashDrafter(Drafter):
 
     kind = "chain"
     jittable = True
+    has_confidence = True
 
     def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME):
         if not 1 <= num_draft_tokens <= arch.block_size:
@@ -476,7 +477,8 @@ class DFlashDrafter(Drafter):
         return Draft.chain(tokens, probs=probs), dataclasses.replace(state, confidence=conf)
 
     def draft_confidence(self, state: BlockState) -> jax.Array:
-        """[B, k] non-increasing prefix survival estimates of the last proposal (see specdec.scheduling)."""
+        """[B, k] non-increasing prefix survival estimates of the last proposal (see specdec.scheduling).
+        DFlash's: the running product of the top draft probability per slot; DSpark's: its calibrated head."""
         return state.confidence
 
     def update(self, params, state: BlockState, ctx: RoundContext, result, taps):
@@ -502,10 +504,6 @@ def arch_from_checkpoint(target, config: dict) -> BlockArch:
 @register(NAME)
 def make_dflash(target, num_draft_tokens: int, path: str = ""):
     """A trained DFlash drafter: `path` = its training run directory (or an exported drafter directory)."""
-    if not path:
-        raise ValueError("dflash needs a trained checkpoint: set drafter.path to a training run directory, e.g. "
-                         "runs/train/dflash from `specdec train configs/train/dflash.yaml`")
-    info = load_drafter(path, expect_name=NAME)
-    check_target(info, target, str(path))
+    info = load_trained(path, NAME, target, "dflash")
     arch = arch_from_checkpoint(target, info["config"])
     return DFlashDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens)

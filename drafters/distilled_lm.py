@@ -24,7 +24,7 @@ from drafters.draft_lm import DraftLMDrafter, DraftLMTreeDrafter
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.train import tasks as T
-from specdec.train.checkpoint import check_target, load_drafter
+from specdec.train.checkpoint import load_trained
 
 NAME = "distilled_lm"
 
@@ -107,11 +107,7 @@ def make_task(target, num_layers: int = 4, init: str = "target") -> DistilledLMT
 @register(NAME)
 def make_distilled_lm(target, num_draft_tokens: int, path: str = "", tree_top_k: int = 0, tree_depth: int = 0):
     """A trained distilled draft LM (`path`: its training run or exported directory), run as DraftLMDrafter."""
-    if not path:
-        raise ValueError("distilled_lm needs a trained checkpoint: set drafter.path (or params.path) to a training "
-                         "run directory, e.g. runs/train/draft_lm from `specdec train configs/train/draft_lm.yaml`")
-    info = load_drafter(path, expect_name=NAME)
-    check_target(info, target, str(path))
+    info = load_trained(path, NAME, target, "draft_lm")
     dcfg = model_config_from_dict(info["config"]["model"])
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), info["params"])
     if tree_top_k or tree_depth:

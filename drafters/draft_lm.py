@@ -85,12 +85,7 @@ class DraftLMTreeDrafter(DraftLMDrafter):
 
     def __init__(self, cfg, params, num_draft_tokens: int, top_k: int, depth: int, name: str = "draft_lm"):
         super().__init__(cfg, params, num_draft_tokens, name=name)
-        if top_k < 1 or depth < 1:
-            raise ValueError(f"tree drafting needs tree_top_k >= 1 and tree_depth >= 1, got {top_k}, {depth}")
-        candidates = top_k + (depth - 1) * top_k * top_k
-        if num_draft_tokens > candidates:
-            raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the {candidates} candidates a tree of "
-                             f"top_k={top_k}, depth={depth} produces")
+        trees.check_tree_budget(num_draft_tokens, top_k, depth)
         self.top_k, self.depth = top_k, depth
 
     def propose(self, params, cache, ctx: RoundContext, sampling, key):

@@ -33,7 +33,7 @@ from drafters import dflash, register
 from drafters.dflash import BlockArch, DFlashDrafter, DFlashTask
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
-from specdec.train.checkpoint import check_target, load_drafter
+from specdec.train.checkpoint import load_trained
 
 NAME = "dspark"
 TEMPERATURE_GRID = np.exp(np.linspace(np.log(0.1), np.log(10.0), 61))
@@ -198,10 +198,6 @@ class DSparkDrafter(DFlashDrafter):
 @register(NAME)
 def make_dspark(target, num_draft_tokens: int, path: str = ""):
     """A trained DSpark drafter: `path` = its training run directory (or an exported drafter directory)."""
-    if not path:
-        raise ValueError("dspark needs a trained checkpoint: set drafter.path to a training run directory, e.g. "
-                         "runs/train/dspark from `specdec train configs/train/dspark.yaml`")
-    info = load_drafter(path, expect_name=NAME)
-    check_target(info, target, str(path))
+    info = load_trained(path, NAME, target, "dspark")
     arch = dflash.arch_from_checkpoint(target, info["config"])
     return DSparkDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens)

@@ -45,7 +45,7 @@ from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
-from specdec.train.checkpoint import check_target, load_drafter
+from specdec.train.checkpoint import load_trained
 from specdec.verify import Draft
 
 NAME = "eagle3"
@@ -448,12 +448,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
 
     def __init__(self, arch, params, num_draft_tokens: int, top_k: int, depth: int, name: str = NAME):
         super().__init__(arch, params, num_draft_tokens, name=name)
-        if top_k < 1 or depth < 1:
-            raise ValueError(f"tree drafting needs tree_top_k >= 1 and tree_depth >= 1, got {top_k}, {depth}")
-        candidates = top_k + (depth - 1) * top_k * top_k
-        if num_draft_tokens > candidates:
-            raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the {candidates} candidates a tree of "
-                             f"top_k={top_k}, depth={depth} produces")
+        trees.check_tree_budget(num_draft_tokens, top_k, depth)
         self.top_k, self.depth = top_k, depth
 
     def propose(self, params, state: Eagle3State, ctx: RoundContext, sampling, key):
@@ -502,11 +497,7 @@ def arch_from_checkpoint(target, config: dict) -> Eagle3Arch:
 @register(NAME)
 def make_eagle3(target, num_draft_tokens: int, path: str = "", tree_top_k: int = 0, tree_depth: int = 0):
     """A trained EAGLE-3 drafter: `path` = its training run directory (or an exported drafter directory)."""
-    if not path:
-        raise ValueError("eagle3 needs a trained checkpoint: set drafter.path (or params.path) to a training run "
-                         "directory, e.g. runs/train/eagle3 from `specdec train configs/train/eagle3.yaml`")
-    info = load_drafter(path, expect_name=NAME)
-    check_target(info, target, str(path))
+    info = load_trained(path, NAME, target, "eagle3")
     arch = arch_from_checkpoint(target, info["config"])
     return Eagle3Drafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,
                                       tree_top_k, tree_depth)

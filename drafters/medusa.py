@@ -36,7 +36,7 @@ from specdec.drafter import Drafter, PromptInfo, RoundContext
 from specdec.models import transformer
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
-from specdec.train.checkpoint import check_target, load_drafter
+from specdec.train.checkpoint import load_trained
 from specdec.verify import Draft
 
 NAME = "medusa"
@@ -242,10 +242,6 @@ def make_medusa(target, num_draft_tokens: int, path: str = "", tree_paths: Seque
     """A trained Medusa drafter (`path`: its training run or exported directory). With `tree_paths`
     (Medusa choices, e.g. [[0], [1], [0, 0]]) it drafts that static tree and the tree's node count is the
     draft size (num_draft_tokens is then ignored)."""
-    if not path:
-        raise ValueError("medusa needs a trained checkpoint: set drafter.path (or params.path) to a training run "
-                         "directory, e.g. runs/train/medusa from `specdec train configs/train/medusa.yaml`")
-    info = load_drafter(path, expect_name=NAME)
-    check_target(info, target, str(path))
+    info = load_trained(path, NAME, target, "medusa")
     arch = arch_from_checkpoint(target, info["config"])
     return MedusaDrafter.from_trained(arch, info["params"], target, num_draft_tokens, tree_paths)

@@ -162,7 +162,7 @@ def build_scheduler(cfg: ExperimentConfig, target: Target, drafter, log=print):
     `scheduler.profile_path` (default: the specdec cache dir)."""
     from specdec.scheduling import make_scheduler
 
-    if cfg.scheduler.kind != "fixed" and not hasattr(drafter, "draft_confidence"):
+    if cfg.scheduler.kind != "fixed" and not drafter.has_confidence:
         raise ValueError(f"scheduler.kind: {cfg.scheduler.kind!r} needs a drafter with draft confidences "
                          f"(dflash, dspark); {drafter.name!r} has none; use 'fixed'")
     max_tokens = cfg.generation.batch_size * (drafter.num_draft_tokens + 1)

@@ -60,6 +60,7 @@ class Drafter:
     num_draft_tokens: int = 1  # N: draft nodes per round (chain length k, or the tree's node budget)
     taps: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads (0 = embeddings)
     params: Any = None  # the array pytree the engine passes back into propose/update (None: no weights)
+    has_confidence: bool = False  # True: draft_confidence() feeds the verify-length schedulers (specdec/scheduling.py)
 
     def init(self, params, prompt: PromptInfo, capacity: int) -> Any:
         """Initial drafter state (a pytree) for a batch of prompts. `capacity` bounds sequence length."""
@@ -69,6 +70,12 @@ class Drafter:
         """Return (Draft, new_state). Draft probabilities, when given, must come from the same
         `specdec.sampling.probabilities` transform the target will be verified with."""
         raise NotImplementedError
+
+    def draft_confidence(self, state) -> jax.Array:
+        """[B, k] non-increasing estimates that draft positions 1..k survive verification, for the proposal just
+        made (`state` as returned by `propose`). Must depend only on the context and the draft, never on the
+        target's verdict: the schedulers cut drafts by it and stay lossless only then."""
+        raise NotImplementedError(f"drafter {self.name!r} has no draft confidences")
 
     def update(self, params, state, ctx: RoundContext, result, taps) -> Any:
         """Fold the round's outcome into the state. `ctx` is the sequence after committing; `result` the

@@ -146,6 +146,17 @@ def tree_attention(parents: jax.Array, valid: jax.Array | None = None) -> tuple[
 # Dynamic trees (EAGLE-2)
 # ----------------------------------------------------------------------------------------------------------
 
+def check_tree_budget(num_draft_tokens: int, top_k: int, depth: int) -> None:
+    """A dynamic tree of `depth` levels expanding `top_k` frontier nodes by `top_k` children each must have at
+    least `num_draft_tokens` candidates to keep (drafters that grow EAGLE-2 trees check this when built)."""
+    if top_k < 1 or depth < 1:
+        raise ValueError(f"tree drafting needs tree_top_k >= 1 and tree_depth >= 1, got {top_k}, {depth}")
+    candidates = top_k + (depth - 1) * top_k * top_k
+    if num_draft_tokens > candidates:
+        raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the {candidates} candidates a tree of "
+                         f"top_k={top_k}, depth={depth} produces")
+
+
 def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array, num_nodes: int,
                         probs: jax.Array | None = None,
                         valid: jax.Array | None = None) -> tuple[Draft, jax.Array]:

@@ -137,7 +137,7 @@ def inference_path_ce(drafter, params, seq, tlogits, g):
     n = seq.shape[0]
     rows = n - 1
     c = drafter.arch.cfg
-    shape = (rows, n + 4, c.num_kv_heads, c.head_dim)
+    shape = transformer.cache_shape(rows, n + 4, c.num_kv_heads, c.head_dim)
     cache = transformer.KVCache((jnp.zeros(shape),), (jnp.zeros(shape),), jnp.zeros((rows,), jnp.int32))
     toks = jnp.broadcast_to(seq[1:], (rows, n - 1))
     h_all, cache = drafter._layer(params, cache, toks, jnp.broadcast_to(g[: n - 1], (rows, n - 1, g.shape[-1])),

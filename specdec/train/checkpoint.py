@@ -176,6 +176,17 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None) -> dic
             "step": step, "source": source}
 
 
+def load_trained(path: str | os.PathLike | None, name: str, target, config_stem: str) -> dict:
+    """`load_drafter` + `check_target` for the drafter factories (`drafter.path` in a run config), with the error a
+    user sees when no path was given: it names the training config that makes one."""
+    if not path:
+        raise ValueError(f"{name} needs a trained checkpoint: set drafter.path (or params.path) to a training run "
+                         f"directory, e.g. runs/train/{config_stem} from `specdec train configs/train/{config_stem}.yaml`")
+    info = load_drafter(path, expect_name=name)
+    check_target(info, target, str(path))
+    return info
+
+
 def check_target(info: dict, target, where: str) -> None:
     """A drafter trained on one target cannot serve another of a different shape."""
     want = info.get("target", {})
