@@ -22,6 +22,8 @@ cache length). Goal: ratio < 1.05.
     SPECDEC_CACHE=... python benchmarks/bench_speculative.py [--n 8] [--max-new-tokens 128] [--json OUT]
     # drafters as name:key=value,... (k = num_draft_tokens, policy = verification policy)
     python benchmarks/bench_speculative.py --drafters ngram:k=3 suffix:k=8,min_score=0.2 self_spec:k=3,num_layers=26
+    # the same drafter with the narrow verify steps of the engine's verify_buckets (A/B in one run)
+    python benchmarks/bench_speculative.py --drafters ngram:k=5 ngram:k=5,buckets=auto --batches 1
 """
 
 from __future__ import annotations
@@ -106,19 +108,26 @@ class DrafterSpec:
     k: int
     policy: str | None
     params: tuple[tuple[str, object], ...]
+    buckets: object = None  # the engine's verify_buckets ("auto" or node counts joined by '/'); None = off
 
     @classmethod
     def parse(cls, text: str) -> "DrafterSpec":
-        """`name[:key=value,...]`; k = num_draft_tokens (default 5), policy = verification policy."""
+        """`name[:key=value,...]`; k = num_draft_tokens (default 5), policy = verification policy, buckets =
+        verify widths (`auto`, or node counts like 0/1/3)."""
         name, _, rest = text.partition(":")
         opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
         k = int(opts.pop("k", 5))
         policy = opts.pop("policy", None)
-        return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())))
+        buckets = opts.pop("buckets", None)
+        if buckets not in (None, "auto"):
+            buckets = tuple(int(w) for w in buckets.split("/"))
+        return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())), buckets)
 
     @property
     def label(self) -> str:
         extra = "".join(f",{k}={v}" for k, v in self.params)
+        if self.buckets is not None:
+            extra += f",buckets={self.buckets if isinstance(self.buckets, str) else '/'.join(map(str, self.buckets))}"
         return f"{self.name}(k={self.k}{extra})"
 
 
@@ -137,13 +146,13 @@ def run_ar(target: Target, groups, max_new: int):
     return tokens, merge([ar_metrics(o) for o in outs])
 
 
-def run_spec(target: Target, drafter, policy: str, groups, max_new: int):
+def run_spec(target: Target, drafter, policy: str, groups, max_new: int, buckets=None):
     """The drafter on each group, warmed up like `run_ar`. The suffix drafter starts with an empty global
     corpus (it does not keep the 2-token warm-up outputs, see drafters/suffix.py)."""
     if hasattr(drafter, "clear_global"):
         drafter.clear_global()
     outs = [speculative_generate(target, drafter, g, policy=policy, max_new_tokens=max_new, sampling=GREEDY,
-                                 warmup=True) for g in groups]
+                                 warmup=True, verify_buckets=buckets) for g in groups]
     tokens = [row for o in outs for row in o.tokens]
     return tokens, merge([o.metrics for o in outs])
 
@@ -296,7 +305,7 @@ def main(argv=None) -> dict:
             for spec in specs:
                 d = drafters[spec]
                 policy = spec.policy or DEFAULT_POLICY[d.kind]
-                tokens, m = run_spec(target, d, policy, groups, args.max_new_tokens)
+                tokens, m = run_spec(target, d, policy, groups, args.max_new_tokens, spec.buckets)
                 rows.append({**base, "method": spec.label, "policy": policy, **_row(m, ar, tokens, ar_tokens)})
                 print(_line(rows[-1]), flush=True)
             summary["rows"].extend(rows)

@@ -136,8 +136,10 @@ def _at(tokens: Sequence[int], j: int):
 
 def check_sampled(target, drafter, prompts: dict[str, Sequence[int]], *, policy: str, sampling,
                   rows: int = DEFAULT_ROWS, prefix: int = DEFAULT_PREFIX, seed: int = 0,
-                  alpha: float = DEFAULT_ALPHA, max_seq_len: int | None = None, scheduler=None) -> LosslessResult:
-    """The statistical check for temperature > 0 (see the module docstring); `scheduler` as in the run."""
+                  alpha: float = DEFAULT_ALPHA, max_seq_len: int | None = None, scheduler=None,
+                  verify_buckets=None) -> LosslessResult:
+    """The statistical check for temperature > 0 (see the module docstring); `scheduler` and `verify_buckets`
+    as in the run."""
     from specdec.engine import speculative_generate
     from specdec.generate import generate
 
@@ -146,7 +148,8 @@ def check_sampled(target, drafter, prompts: dict[str, Sequence[int]], *, policy:
         batch = [list(ids)] * rows
         ar = generate(target, batch, prefix, sampling, seed=seed + 2 * i, max_seq_len=max_seq_len).tokens
         spec = speculative_generate(target, drafter, batch, policy=policy, max_new_tokens=prefix, sampling=sampling,
-                                    seed=seed + 2 * i + 1, max_seq_len=max_seq_len, scheduler=scheduler).tokens
+                                    seed=seed + 2 * i + 1, max_seq_len=max_seq_len, scheduler=scheduler,
+                                    verify_buckets=verify_buckets).tokens
         for j in range(1, prefix):  # position 0 comes from the prefill in both: not speculative
             result = two_sample_chi2([_at(t, j) for t in ar], [_at(t, j) for t in spec])
             tests.append({"key": key, "position": j, "rows": rows, **result})

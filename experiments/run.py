@@ -368,7 +368,9 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
     ids = {p.key: codec.encode(p.text, chat=chat) for p in prompts}
     drafter, dparams = build_drafter(cfg, target)
     policy_name, policy_note = effective_policy(cfg.verify, drafter)
-    scheduler = build_scheduler(cfg, target, drafter, log=echo)
+    # the engine's per-round choices of what to verify: the scheduler and the verify-width buckets
+    engine_opts = {"scheduler": build_scheduler(cfg, target, drafter, log=echo),
+                   "verify_buckets": None if cfg.verify.buckets == "none" else cfg.verify.buckets}
     policy = get_policy(policy_name)
     sampling = cfg.sampling.to_params()
     label = drafter_label(drafter, dparams)
@@ -396,7 +398,7 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
     def decode_spec(batch_ids, seed):
         out = speculative_generate(target, drafter, batch_ids, policy=policy_name, max_new_tokens=gen.max_new_tokens,
                                    sampling=sampling, seed=seed, compiled=compiled, max_seq_len=max_len,
-                                   warmup=cfg.eval.warmup, scheduler=scheduler)
+                                   warmup=cfg.eval.warmup, **engine_opts)
         return out.tokens, out.metrics
 
     def phase(method: str, decode, model_id: str):
@@ -460,14 +462,14 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
     try:
         return _finish(cfg, name, paths, prompts, ids, stores, tracker, target, drafter, label, policy, policy_note,
                        sampling, batches, compiled, baseline_source, started, load_start, echo,
-                       decode_ar if not cfg.eval.baseline else None, chat, scheduler)
+                       decode_ar if not cfg.eval.baseline else None, chat, engine_opts)
     finally:
         if own_tracker:
             tracker.finish()
 
 
 def _draft_verify_split(paths, target, drafter, policy_name, sampling, batches, ids, cfg, spec_m, compiled, echo,
-                        name, scheduler) -> dict:
+                        name, engine_opts) -> dict:
     """Draft vs verify seconds: from the timed run when it was host-stepped, else from a profiling pass."""
     from specdec.engine import speculative_generate
 
@@ -482,7 +484,7 @@ def _draft_verify_split(paths, target, drafter, policy_name, sampling, batches, 
             out = speculative_generate(target, drafter, first, policy=policy_name,
                                        max_new_tokens=cfg.generation.max_new_tokens, sampling=sampling,
                                        seed=cfg.sampling.seed, compiled=False, max_seq_len=cfg.model.max_seq_len,
-                                       warmup=True, scheduler=scheduler)
+                                       warmup=True, **engine_opts)
             prof = {"prompts": len(first), "draft_seconds": out.metrics.draft_seconds,
                     "verify_seconds": out.metrics.verify_seconds, "decode_seconds": out.metrics.decode_seconds}
             paths.profile.write_text(json.dumps(prof, indent=2))
@@ -493,7 +495,8 @@ def _draft_verify_split(paths, target, drafter, policy_name, sampling, batches, 
     return {"draft_seconds": d, "verify_seconds": v, "draft_fraction": d / total if total else None, "source": source}
 
 
-def _lossless(cfg, prompts, ids, stores, target, drafter, policy, sampling, decode_ar, scheduler) -> LosslessResult:
+def _lossless(cfg, prompts, ids, stores, target, drafter, policy, sampling, decode_ar,
+              engine_opts) -> LosslessResult:
     n = cfg.eval.lossless_check.samples
     if not policy.lossless:
         return skipped(f"policy {policy.name!r} is LOSSY (it accepts tokens the target would not sample with "
@@ -515,11 +518,11 @@ def _lossless(cfg, prompts, ids, stores, target, drafter, policy, sampling, deco
         return check_greedy(ar_tokens, spec_tokens, checked)
     return check_sampled(target, drafter, {k: ids[k] for k in sample_keys}, policy=policy.name, sampling=sampling,
                          seed=cfg.sampling.seed + 10_000, max_seq_len=cfg.model.max_seq_len,
-                         scheduler=scheduler)
+                         **engine_opts)
 
 
 def _finish(cfg, name, paths, prompts, ids, stores, tracker, target, drafter, label, policy, policy_note, sampling,
-            batches, compiled, baseline_source, started, load_start, echo, decode_ar, chat, scheduler) -> dict:
+            batches, compiled, baseline_source, started, load_start, echo, decode_ar, chat, engine_opts) -> dict:
     ar_m, spec_m = stores[AR].merged(), stores[SPEC].merged()
     groups: dict[str, int] = {}
     for batch in batches:
@@ -527,10 +530,10 @@ def _finish(cfg, name, paths, prompts, ids, stores, tracker, target, drafter, la
     categories = list(groups)
     by_category = {c: _category_block(stores[AR].merged(c), stores[SPEC].merged(c), n) for c, n in groups.items()}
     split = _draft_verify_split(paths, target, drafter, policy.name, sampling, batches, ids, cfg, spec_m, compiled,
-                                echo, name, scheduler)
+                                echo, name, engine_opts)
     if not sampling.greedy and policy.lossless and cfg.eval.lossless_check.samples:
         echo(f"{name}: sampled lossless check ({cfg.eval.lossless_check.samples} prompts x 128 samples) ...")
-    lossless = _lossless(cfg, prompts, ids, stores, target, drafter, policy, sampling, decode_ar, scheduler)
+    lossless = _lossless(cfg, prompts, ids, stores, target, drafter, policy, sampling, decode_ar, engine_opts)
     quality = None
     if any(p.layout in METRIC for p in prompts):
         texts = {m: s.texts() for m, s in stores.items() if s.records}

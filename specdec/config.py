@@ -133,9 +133,15 @@ class VerifyConfig:
     tree: TreeConfig | None = None
     eps: float = 0.09  # typical acceptance: hard posterior threshold (Medusa's epsilon)
     delta: float = 0.3  # typical acceptance: entropy-adaptive threshold scale
+    # Verify widths (specdec/engine.py `bucket_widths`): a round whose rows all have few valid draft nodes (an
+    # n-gram miss, a short schedule) runs a narrower target step. "none": always all N + 1 positions; "auto":
+    # 1, 2, 4, ... tokens per row, then N + 1; or a list of draft-node counts in [0, N].
+    buckets: Literal["none", "auto"] | tuple[int, ...] = "none"
 
     def __post_init__(self):
         _require(0 < self.eps <= 1, "eps", f"must be in (0, 1], got {self.eps!r}")
+        _require(isinstance(self.buckets, str) or all(w >= 0 for w in self.buckets), "buckets",
+                 f"draft-node counts must be >= 0, got {self.buckets!r}")
         _at_least(self, 0, "delta")
 
 

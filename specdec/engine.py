@@ -64,6 +64,8 @@ class LoopSpec:
     sampling: SamplingParams
     eos_ids: tuple[int, ...]
     scheduler: Any = None  # specdec.scheduling.Scheduler, or None: verify every drafted token
+    # Draft-node counts the verify step may run, ascending and ending at N (`bucket_widths`); () = always all N.
+    verify_widths: tuple[int, ...] = ()
 
 
 def write_tokens(seq: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
@@ -83,6 +85,53 @@ def propose(spec: LoopSpec, dparams, state: LoopState):
     return draft, dataclasses.replace(state, drafter_state=dstate, key=key)
 
 
+def bucket_widths(num_draft_tokens: int, buckets) -> tuple[int, ...]:
+    """The verify widths (draft nodes per target step) of `verify.buckets`: None or [] = always all N; "auto" =
+    1, 2, 4, ... tokens per row (root + 0, 1, 3, 7, ... nodes) below N, then N; or an explicit list of node counts
+    in [0, N] (N is always added)."""
+    n = num_draft_tokens
+    if buckets is None or (not isinstance(buckets, str) and len(buckets) == 0):
+        return ()
+    if isinstance(buckets, str):
+        if buckets != "auto":
+            raise ValueError(f"verify.buckets must be 'auto' or a list of draft-node counts, got {buckets!r}")
+        widths, tokens = set(), 1
+        while tokens - 1 < n:
+            widths.add(tokens - 1)
+            tokens *= 2
+    else:
+        widths = {int(w) for w in buckets}
+        bad = [w for w in widths if not 0 <= w <= n]
+        if bad:
+            raise ValueError(f"verify.buckets: widths must be draft-node counts in [0, {n}] (num_draft_tokens), "
+                             f"got {sorted(bad)}")
+    return tuple(sorted(widths | {n}))
+
+
+def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, mask, need):
+    """The target's verify forward over [root, nodes]. With `spec.verify_widths`, only the first
+    1 + W tokens run, W the smallest width >= `need` (the last valid node of any active row), chosen inside the
+    compiled program by `lax.switch`; logits and taps are zero-padded back to N + 1 positions. Nothing past W is
+    valid, so no policy accepts (or samples a bonus from) the padding."""
+    if not spec.verify_widths:
+        return spec.forward(tparams, spec.cfg, cache, tokens, positions, mask, taps=spec.drafter.taps)
+    full = tokens.shape[1]
+
+    def branch(width):
+        t = width + 1
+
+        def run(cache):
+            out = spec.forward(tparams, spec.cfg, cache, tokens[:, :t], positions[:, :t], mask[:, :t, :t],
+                               taps=spec.drafter.taps)
+            pad = lambda x, axis: None if x is None else jnp.pad(  # noqa: E731
+                x, [(0, full - t) if a == axis else (0, 0) for a in range(x.ndim)])
+            return out._replace(logits=pad(out.logits, 1), hidden=pad(out.hidden, 1), taps=pad(out.taps, 2))
+        return run
+
+    index = jnp.searchsorted(jnp.asarray(spec.verify_widths, jnp.int32), need.astype(jnp.int32))
+    return jax.lax.switch(index, [branch(w) for w in spec.verify_widths], cache)
+
+
 def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
     """Steps 2-5 minus the drafter update. Returns (state, VerifyResult, target taps)."""
     batch, num_nodes = draft.tokens.shape
@@ -92,7 +141,9 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
     tokens = jnp.concatenate([root[:, None], draft.tokens.astype(jnp.int32)], axis=1)
     mask, depth = trees.tree_attention(draft.parents, draft.valid)
     positions = state.cache.lengths[:, None] + depth
-    out = spec.forward(tparams, spec.cfg, state.cache, tokens, positions, mask, taps=spec.drafter.taps)
+    node_index = jnp.arange(1, num_nodes + 1)[None, :]
+    need = jnp.max(jnp.where(draft.valid & ~state.done[:, None], node_index, 0))
+    out = target_verify(spec, tparams, state.cache, tokens, positions, mask, need)
     result: VerifyResult = spec.policy.verify(draft, out.logits, spec.sampling, sub)
     cache = out.cache
     if spec.drafter.kind == "tree":
@@ -178,11 +229,14 @@ class SpecOutput:
 def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
                          policy: str = "greedy_chain", max_new_tokens: int = 64,
                          sampling: SamplingParams = GREEDY, seed: int = 0, compiled: bool | None = None,
-                         max_seq_len: int | None = None, warmup: bool = False, scheduler=None) -> SpecOutput:
+                         max_seq_len: int | None = None, warmup: bool = False, scheduler=None,
+                         verify_buckets=None) -> SpecOutput:
     """Speculative decoding of a batch of token-id prompts with any drafter and verification policy.
 
     `scheduler` (a `specdec.scheduling.Scheduler`) chooses each row's verify length per round from the drafter's
-    `draft_confidence`; None verifies every drafted token.
+    `draft_confidence`; None verifies every drafted token. `verify_buckets` ("auto" or draft-node counts, see
+    `bucket_widths`) lets a round whose rows all verify few nodes (a short schedule, an n-gram miss) run a
+    narrower target step; None runs all N + 1 positions every round.
 
     `warmup=True` first runs the same compiled programs for one round (untimed), so the reported times
     exclude compilation.
@@ -201,8 +255,11 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     prompts = [list(p) for p in prompts]
     n = drafter.num_draft_tokens
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
+    widths = bucket_widths(n, verify_buckets)
+    if scheduler is not None and scheduler.kind == "prefix" and widths:
+        scheduler = dataclasses.replace(scheduler, verify_widths=widths)  # cost = the widths this loop runs
     spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
-                    eos_ids=tuple(target.eos_token_ids), scheduler=scheduler)
+                    eos_ids=tuple(target.eos_token_ids), scheduler=scheduler, verify_widths=widths)
     pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     tokens, lengths = pad_prompts(prompts, pad)
     capacity = cache_capacity(lengths, max_new_tokens, extra=n + 1)

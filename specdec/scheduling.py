@@ -22,9 +22,14 @@ only on candidates ranked before it, i.e. on a values >= a[b, j], which never in
 through a[b, j+1] <= a[b, j], ranks after it). Threshold and fixed decide position j from a[b, j] alone: lossless.
 `early_stop=False` is the biased ablation (best Theta over all admission counts), kept for the test that shows it.
 
-The cost model assumes a backend that verifies a ragged token batch (sum of lengths) at the profiled speed; the
-compiled loop here still runs every row's N+1 slots (static shapes), so on this engine the scheduler changes what
-is verified (and the metrics), not the wall time. See docs/PARALLEL_DRAFTING.md.
+Two cost models for the token count n in SPS(n):
+- ragged (no `verify_widths`): n = sum_b (1 + l_b), a backend that verifies a ragged token batch (a paged-attention
+  server). This engine's static-shape loop does not: without verify buckets it runs every row's N+1 slots, so the
+  scheduler then changes what is verified (and the metrics), not the wall time.
+- padded (`verify_widths`, set by the engine from `verify.buckets`): what this engine runs, n = B * (1 + W) with W
+  the smallest verify width >= the longest admitted row (all B rows compute, finished ones too). Whether (b, j)
+  is admitted still depends only on candidates ranked before it, so the early stop keeps it lossless.
+See docs/PARALLEL_DRAFTING.md.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class Scheduler:
     # is interpolated linearly; past the last one the step time grows linearly with the token count.
     profile: tuple[tuple[int, float], ...] = ()
     early_stop: bool = True
+    # prefix: the engine's verify widths (draft-node counts, ascending, ending at N) -> the padded cost model;
+    # () -> the ragged one. speculative_generate fills this in from its verify_buckets.
+    verify_widths: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -85,7 +93,7 @@ class Scheduler:
             return jnp.full((b,), n, jnp.int32)
         if self.kind == "threshold":
             return jnp.sum(jnp.cumprod(confidence >= self.threshold, axis=1), axis=1).astype(jnp.int32)
-        return prefix_lengths(confidence, active, self.sps, self.early_stop)
+        return prefix_lengths(confidence, active, self.sps, self.early_stop, self.verify_widths)
 
     def apply(self, draft, confidence: jax.Array, active: jax.Array):
         """The draft with nodes past each row's verify length marked invalid (chain drafts)."""
@@ -96,8 +104,10 @@ class Scheduler:
         return dataclasses.replace(draft, valid=draft.valid & keep)
 
 
-def prefix_lengths(confidence: jax.Array, active: jax.Array, sps, early_stop: bool = True) -> jax.Array:
-    """The greedy admission of the prefix scheduler (module docstring), vectorised: int32 [B]."""
+def prefix_lengths(confidence: jax.Array, active: jax.Array, sps, early_stop: bool = True,
+                   verify_widths: tuple[int, ...] = ()) -> jax.Array:
+    """The greedy admission of the prefix scheduler (module docstring), vectorised: int32 [B]. With
+    `verify_widths` the token count is the padded one this engine runs, else the ragged sum of lengths."""
     b, n = confidence.shape
     a = jnp.where(active[:, None], confidence.astype(jnp.float32), -1.0).reshape(-1)  # done rows never admitted
     order = jnp.argsort(-a, stable=True)  # flat index b * n + j: ties keep a row's positions in order
@@ -105,7 +115,15 @@ def prefix_lengths(confidence: jax.Array, active: jax.Array, sps, early_stop: bo
     rows = jnp.sum(active).astype(jnp.float32)
     m = jnp.arange(b * n + 1, dtype=jnp.float32)  # candidates admitted
     value = rows + jnp.concatenate([jnp.zeros(1), jnp.cumsum(jnp.maximum(a_sorted, 0.0))])
-    theta = value * sps(rows + m)
+    if verify_widths:  # padded: B rows x (1 + the bucket of the longest admitted row)
+        admitted_len = (order % n + 1).astype(jnp.int32)  # a row's positions are admitted in order
+        longest = jnp.concatenate([jnp.zeros(1, jnp.int32), jax.lax.cummax(admitted_len)])
+        widths = jnp.asarray(verify_widths, jnp.int32)
+        width = widths[jnp.minimum(jnp.searchsorted(widths, longest), len(verify_widths) - 1)]
+        tokens = b * (1 + width)
+    else:  # ragged: one token per active row + the admitted candidates
+        tokens = rows + m
+    theta = value * sps(tokens)
     eligible = jnp.concatenate([jnp.ones(1, bool), a_sorted >= 0])  # never admit a done row's candidate
     theta = jnp.where(eligible, theta, -jnp.inf)
     if early_stop:

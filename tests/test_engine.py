@@ -2,6 +2,7 @@
 target distribution, and stopping (EOS inside an accepted draft, max_new_tokens) is exact."""
 
 import itertools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,60 @@ def test_host_stepped_loop_equals_compiled_loop():
     assert a.tokens == b.tokens
     assert a.metrics.rounds == b.metrics.rounds
     assert b.metrics.draft_seconds is not None and b.metrics.verify_seconds is not None
+
+
+def test_narrow_verify_step_equals_the_full_step_on_its_positions():
+    """`target_verify` with need=w runs only [root, w nodes] (the smallest width >= w) and pads back: its
+    logits/taps equal the full step's on those positions, are 0 past them, and only those cache rows change."""
+    from specdec import engine, trees
+    from specdec.verify import Draft
+
+    target = make_target(8)
+    drafter = types.SimpleNamespace(taps=(1, 2))  # what target_verify reads: the taps to return
+    widths = engine.bucket_widths(4, "auto")
+    assert widths == (0, 1, 3, 4)
+    spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=None, sampling=None,
+                           eos_ids=(), verify_widths=widths)
+    cache = target.init_cache(2, 32).with_lengths(jnp.asarray([5, 9], jnp.int32))
+    tokens = jnp.asarray([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], jnp.int32)
+    mask, depth = trees.tree_attention(Draft.chain(tokens[:, 1:]).parents)
+    positions = cache.lengths[:, None] + depth
+    full = target.forward(target.params, target.cfg, cache, tokens, positions, mask, taps=drafter.taps)
+    for need, width in [(0, 0), (1, 1), (2, 3), (3, 3), (4, 4)]:
+        out = jax.jit(lambda c, n: engine.target_verify(spec, target.params, c, tokens, positions, mask, n))(
+            cache, jnp.asarray(need))
+        t = width + 1
+        np.testing.assert_allclose(out.logits[:, :t], full.logits[:, :t], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out.taps[:, :, :t], full.taps[:, :, :t], rtol=1e-4, atol=1e-4)
+        assert not np.any(np.asarray(out.logits[:, t:])) and not np.any(np.asarray(out.taps[:, :, t:]))
+        for row, start in enumerate([5, 9]):
+            got, want = np.asarray(out.cache.k[0][row]), np.asarray(full.cache.k[0][row])
+            np.testing.assert_allclose(got[:, start:start + t], want[:, start:start + t], rtol=1e-5, atol=1e-5)
+            assert not np.any(got[:, start + t:])
+    with pytest.raises(ValueError, match=r"verify.buckets.*\[0, 4\].*\[5\]"):
+        engine.bucket_widths(4, [1, 5])
+    assert engine.bucket_widths(4, None) == () and engine.bucket_widths(7, [2]) == (2, 7)
+
+
+@pytest.mark.parametrize("policy", ["greedy_chain", "rejection_chain"])
+def test_bucketed_verify_is_lossless(policy):
+    """Narrow verify steps (n-gram misses leave rows with few or no valid nodes) change no output: greedy ==
+    AR at batch 4 and 1; sampled output == the unbucketed loop's with the same seed (same draws; only the
+    target's step width differs)."""
+    target = make_target(9)
+    drafter = create_drafter("ngram", target, 4, max_ngram=2)
+    ar = generate(target, PROMPTS, max_new_tokens=17)
+    out = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17, verify_buckets="auto")
+    assert out.tokens == ar.tokens
+    assert speculative_generate(target, drafter, PROMPTS[1:2], policy=policy, max_new_tokens=17,
+                                verify_buckets=[0, 2]).tokens[0] == ar.tokens[1]
+    if policy == "greedy_chain":
+        return
+    sampling = SamplingParams(temperature=1.0)
+    a = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17, sampling=sampling, seed=5)
+    b = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17, sampling=sampling, seed=5,
+                             verify_buckets="auto")
+    assert a.tokens == b.tokens and a.metrics.rounds == b.metrics.rounds
 
 
 def test_eos_inside_accepted_draft_ends_row_exactly_there():

@@ -89,6 +89,25 @@ def test_run_end_to_end_with_memory_tracker(tmp_path):
     assert any("speculative/tokens_per_second" in m for _, m in tracker.metrics)
 
 
+def test_verify_buckets_reach_the_engine(tmp_path, monkeypatch):
+    """`verify.buckets` from the config is what the engine runs with (timed run, profiling pass and check)."""
+    import specdec.engine
+
+    seen = []
+    real = specdec.engine.speculative_generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("verify_buckets"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(specdec.engine, "speculative_generate", spy)
+    summary = run_experiment(tiny_cfg(tmp_path, "buckets", "verify.buckets=[0, 1]", "drafter.name=ngram",
+                                      "drafter.params={}"),
+                             progress=False, echo=quiet)
+    assert seen and all(b == (0, 1) for b in seen), seen
+    assert summary["lossless"]["passed"]
+
+
 def test_rerun_of_a_finished_run_is_skipped_and_a_changed_config_refused(tmp_path):
     cfg = tiny_cfg(tmp_path, "done", "data.datasets.0.limit=1")
     first = run_experiment(cfg, progress=False, echo=quiet)

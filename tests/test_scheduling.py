@@ -159,12 +159,25 @@ def test_engine_sampled_output_is_target_distribution_with_dspark(name):
     assert p_value > 1e-3, (p_value, tv)
 
 
-def test_greedy_with_prefix_scheduler_equals_ar():
+def test_padded_cost_model_counts_the_bucket_of_the_longest_row():
+    """With the engine's verify widths the prefix scheduler prices B x (1 + bucket) tokens: admitting row 0's
+    second token would move both rows to the 3-node bucket (8 tokens, twice the step time), so it stops at
+    [1, 0]; the ragged model (2 + admitted tokens) admits it."""
+    step = ((1, 1.0), (4, 1.0), (8, 0.5))  # step time 1 up to 4 tokens, 2 at 8
+    conf = jnp.asarray([[0.9, 0.6, 0.5], [0.3, 0.2, 0.1]])
+    active = jnp.ones(2, bool)
+    assert Scheduler("prefix", profile=step, verify_widths=(0, 1, 3)).lengths(conf, active).tolist() == [1, 0]
+    assert Scheduler("prefix", profile=step).lengths(conf, active).tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("buckets", [None, "auto"])
+def test_greedy_with_prefix_scheduler_equals_ar(buckets):
     target = distribution_target()
     drafter = random_dspark(target, k=3, seed=2)
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
     ar = generate(target, prompts, max_new_tokens=12)
-    out = speculative_generate(target, drafter, prompts, max_new_tokens=12, scheduler=Scheduler("prefix", profile=LINEAR))
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=12, scheduler=Scheduler("prefix", profile=LINEAR),
+                               verify_buckets=buckets)
     assert out.tokens == ar.tokens
 
 
