@@ -230,13 +230,17 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
                          policy: str = "greedy_chain", max_new_tokens: int = 64,
                          sampling: SamplingParams = GREEDY, seed: int = 0, compiled: bool | None = None,
                          max_seq_len: int | None = None, warmup: bool = False, scheduler=None,
-                         verify_buckets=None) -> SpecOutput:
+                         verify_buckets=None, on_round=None) -> SpecOutput:
     """Speculative decoding of a batch of token-id prompts with any drafter and verification policy.
 
     `scheduler` (a `specdec.scheduling.Scheduler`) chooses each row's verify length per round from the drafter's
     `draft_confidence`; None verifies every drafted token. `verify_buckets` ("auto" or draft-node counts, see
     `bucket_widths`) lets a round whose rows all verify few nodes (a short schedule, an n-gram miss) run a
     narrower target step; None runs all N + 1 positions every round.
+
+    `on_round(draft, confidence, result, active)` (host-stepped loop only) is called after every round with the
+    verified draft, the drafter's `draft_confidence` (None without one), the VerifyResult and the rows that were
+    active: per-round data for analyses such as confidence calibration.
 
     `warmup=True` first runs the same compiled programs for one round (untimed), so the reported times
     exclude compilation.
@@ -250,6 +254,8 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
             raise ValueError(f"scheduler {scheduler.kind!r} needs a chain drafter with draft confidences "
                              f"(dflash, dspark); drafter {drafter.name!r} has none")
     compiled = drafter.jittable if compiled is None else compiled
+    if compiled and on_round is not None:
+        raise ValueError("on_round needs the host-stepped loop: pass compiled=False")
     if compiled and not drafter.jittable:
         raise ValueError(f"drafter {drafter.name!r} keeps Python state and cannot run in the compiled loop")
     prompts = [list(p) for p in prompts]
@@ -265,10 +271,10 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     capacity = cache_capacity(lengths, max_new_tokens, extra=n + 1)
     if warmup:
         _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled)
-    return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled)
+    return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round)
 
 
-def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled) -> SpecOutput:
+def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled, on_round=None) -> SpecOutput:
     cache = target.init_cache(len(tokens), capacity)
     t0 = time.perf_counter()
     logits, taps, cache = prefill(target.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
@@ -293,9 +299,13 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
             draft, state = propose_fn(spec, drafter.params, state)
             jax.block_until_ready(draft)
             tb = time.perf_counter()
+            active = ~state.done
             state, result, taps = _jit_verify(spec, target.params, state, draft)
             jax.block_until_ready(result)
             tc = time.perf_counter()
+            if on_round is not None:
+                conf = drafter.draft_confidence(state.drafter_state) if drafter.has_confidence else None
+                on_round(draft, conf, result, active)
             state = update_fn(spec, drafter.params, state, result, taps)
             draft_s += (tb - ta) + (time.perf_counter() - tc)
             verify_s += tc - tb

@@ -73,9 +73,18 @@ def test_host_stepped_loop_equals_compiled_loop():
     target = make_target(4)
     drafter = create_drafter("self_spec", target, 3, num_layers=1)
     a = speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, compiled=True)
-    b = speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, compiled=False)
+    seen = []
+    b = speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, compiled=False,
+                             on_round=lambda draft, conf, result, active: seen.append(
+                                 (conf, int(np.sum(np.asarray(result.num_accepted)[np.asarray(active)])),
+                                  int(np.sum(active)))))
     assert a.tokens == b.tokens
     assert a.metrics.rounds == b.metrics.rounds
+    # on_round saw every round: its active rows and accepted tokens add up to the metrics
+    assert sum(n for _, _, n in seen) == b.metrics.rounds and all(c is None for c, _, _ in seen)
+    assert sum(acc for _, acc, _ in seen) == b.metrics.accepted_draft_tokens
+    with pytest.raises(ValueError, match="on_round needs the host-stepped loop"):
+        speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, on_round=print)
     assert b.metrics.draft_seconds is not None and b.metrics.verify_seconds is not None
 
 
@@ -112,20 +121,18 @@ def test_narrow_verify_step_equals_the_full_step_on_its_positions():
     assert engine.bucket_widths(4, None) == () and engine.bucket_widths(7, [2]) == (2, 7)
 
 
-@pytest.mark.parametrize("policy", ["greedy_chain", "rejection_chain"])
-def test_bucketed_verify_is_lossless(policy):
+def test_bucketed_verify_is_lossless():
     """Narrow verify steps (n-gram misses leave rows with few or no valid nodes) change no output: greedy ==
-    AR at batch 4 and 1; sampled output == the unbucketed loop's with the same seed (same draws; only the
-    target's step width differs)."""
+    AR at batch 4 and 1 (rejection_chain at T=0 is greedy verification); sampled output == the unbucketed
+    loop's with the same seed (same draws; only the target's step width differs)."""
     target = make_target(9)
     drafter = create_drafter("ngram", target, 4, max_ngram=2)
+    policy = "rejection_chain"
     ar = generate(target, PROMPTS, max_new_tokens=17)
     out = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17, verify_buckets="auto")
     assert out.tokens == ar.tokens
     assert speculative_generate(target, drafter, PROMPTS[1:2], policy=policy, max_new_tokens=17,
                                 verify_buckets=[0, 2]).tokens[0] == ar.tokens[1]
-    if policy == "greedy_chain":
-        return
     sampling = SamplingParams(temperature=1.0)
     a = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17, sampling=sampling, seed=5)
     b = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17, sampling=sampling, seed=5,
