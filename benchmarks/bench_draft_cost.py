@@ -1,0 +1,111 @@
+"""Draft cost per round of trained drafters, next to the target's verify step, in one run.
+
+For each drafter (name=path[:k], e.g. dspark=runs/train/dspark:7) and batch size: the engine's jitted `propose`
+(one drafting round: DFlash/DSpark one block forward + lm_head (+ DSpark's sequential Markov sampling);
+EAGLE-3 k sequential draft-layer steps) and the target's verify forward on k + 1 tokens per row, both after a
+real prompt's prefill, median of --reps timed calls after a compile call. Also the drafter's parameter count.
+Greedy sampling; the drafter state is not advanced between calls (every call drafts the same round).
+
+    SPECDEC_CACHE=... python benchmarks/bench_draft_cost.py dflash=runs/train/dflash:7 dspark=runs/train/dspark:7 \
+        eagle3=runs/train/eagle3:5 [--batches 1 8] [--reps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_speculative import DEFAULT_DATA, load_prompts  # noqa: E402
+
+from drafters import create_drafter  # noqa: E402
+from specdec import engine  # noqa: E402
+from specdec.drafter import PromptInfo  # noqa: E402
+from specdec.generate import cache_capacity, pad_prompts, prefill  # noqa: E402
+from specdec.sampling import GREEDY  # noqa: E402
+from specdec.target import load_target  # noqa: E402
+from specdec.verify import get_policy  # noqa: E402
+
+
+def median_ms(fn, reps: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def round_costs(target, drafter, prompts, reps: int) -> dict:
+    spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter,
+                           policy=get_policy("greedy_chain"), sampling=GREEDY, eos_ids=tuple(target.eos_token_ids))
+    tokens, lengths = pad_prompts(prompts, target.cfg.pad_token_id or 0)
+    k = drafter.num_draft_tokens
+    capacity = cache_capacity(lengths, 64, extra=k + 1)
+    cache = target.init_cache(len(prompts), capacity)
+    logits, taps, cache = prefill(target.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                                  forward=target.forward, cfg=target.cfg, taps=drafter.taps)
+    first, state = engine._initial_state(spec, jnp.asarray(tokens), jnp.asarray(lengths), logits, cache,
+                                         jax.random.PRNGKey(0), 64, capacity=capacity)
+    info = PromptInfo(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), taps=taps, first_token=first)
+    state = dataclasses.replace(state, drafter_state=drafter.init(drafter.params, info, capacity))
+    draft_ms = median_ms(lambda: engine._jit_propose(spec, drafter.params, state)[0].tokens, reps)
+    draft, _ = engine._jit_propose(spec, drafter.params, state)
+    verify = jax.jit(lambda c, d: engine.target_verify(spec, target.params, c, *verify_inputs(state, d), None))
+    verify_ms = median_ms(lambda: verify(state.cache, draft).logits, reps)
+    return {"draft_ms": draft_ms, "verify_ms": verify_ms}
+
+
+def verify_inputs(state, draft):
+    from specdec import trees
+
+    rows = jnp.arange(draft.tokens.shape[0])
+    root = state.seq[rows, state.seq_len - 1]
+    toks = jnp.concatenate([root[:, None], draft.tokens.astype(jnp.int32)], axis=1)
+    mask, depth = trees.tree_attention(draft.parents, draft.valid)
+    return toks, state.cache.lengths[:, None] + depth, mask
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("drafters", nargs="+", help="name=path[:k]")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    target = load_target()
+    texts = load_prompts("mt_bench", max(args.batches), args.data)
+    rows = []
+    print(f"# load avg {os.getloadavg()[0]:.1f}; median of {args.reps} calls")
+    for item in args.drafters:
+        name, _, rest = item.partition("=")
+        path, _, k = rest.partition(":")
+        drafter = create_drafter(name, target, int(k or 5), path=path)
+        for batch in args.batches:
+            prompts = [target.tokenizer.encode_chat(t) for t in texts[:batch]]
+            r = {"drafter": name, "k": drafter.num_draft_tokens, "batch": batch, **round_costs(target, drafter,
+                                                                                              prompts, args.reps)}
+            r["draft_over_verify"] = r["draft_ms"] / r["verify_ms"]
+            rows.append(r)
+            print(f"{name:8s} k={r['k']} B={batch:2d}: draft {r['draft_ms']:.1f} ms/round, verify ({r['k'] + 1} "
+                  f"tokens/row) {r['verify_ms']:.1f} ms -> draft/verify {r['draft_over_verify']:.2f}", flush=True)
+    print()
+    print("| drafter | k | B | draft ms / round | verify ms (k+1 tokens/row) | draft / verify |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['drafter']} | {r['k']} | {r['batch']} | {r['draft_ms']:.1f} | {r['verify_ms']:.1f} | "
+              f"{r['draft_over_verify']:.2f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
