@@ -105,9 +105,9 @@ def test_narrow_verify_step_equals_the_full_step_on_its_positions():
     mask, depth = trees.tree_attention(Draft.chain(tokens[:, 1:]).parents)
     positions = cache.lengths[:, None] + depth
     full = target.forward(target.params, target.cfg, cache, tokens, positions, mask, taps=drafter.taps)
+    verify = jax.jit(lambda c, n: engine.target_verify(spec, target.params, c, tokens, positions, mask, n))
     for need, width in [(0, 0), (1, 1), (2, 3), (3, 3), (4, 4)]:
-        out = jax.jit(lambda c, n: engine.target_verify(spec, target.params, c, tokens, positions, mask, n))(
-            cache, jnp.asarray(need))
+        out = verify(cache, jnp.asarray(need))
         t = width + 1
         np.testing.assert_allclose(out.logits[:, :t], full.logits[:, :t], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(out.taps[:, :, :t], full.taps[:, :, :t], rtol=1e-4, atol=1e-4)

@@ -1,5 +1,6 @@
 """Step-function consistency of the target: one function for prefill, decode and (tree) verification."""
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,16 +8,27 @@ import pytest
 
 from specdec.generate import ContextLengthError, generate
 from specdec.models import transformer
-from specdec.models.config import ModelConfig, tiny_config
+from specdec.models.config import tiny_config
 from specdec.sampling import SamplingParams
 from specdec.target import Target, random_target
 
 CAPACITY = 64
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted(forward):
+    return jax.jit(forward, static_argnums=(1,), static_argnames=("taps",))
+
+
+def jit_forward(target: Target):
+    """The target's step function, jitted (cfg and taps static): eager op-by-op dispatch of a whole forward per
+    new shape made these tests slow (one small compile per primitive and shape)."""
+    return _jitted(target.forward)
+
+
 def full_forward(target: Target, tokens, taps=()):
     cache = target.init_cache(tokens.shape[0], CAPACITY)
-    return target.forward(target.params, target.cfg, cache, jnp.asarray(tokens), taps=taps)
+    return jit_forward(target)(target.params, target.cfg, cache, jnp.asarray(tokens), taps=taps)
 
 
 @pytest.fixture(scope="module", params=["reference", "scan"])
@@ -32,11 +44,11 @@ def test_prefill_then_decode_equals_full_forward(target):
     tokens = np.random.default_rng(0).integers(3, 256, size=(1, 20)).astype(np.int32)
     full = full_forward(target, tokens).logits
     cache = target.init_cache(1, CAPACITY)
-    out = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens[:, :12]))
+    out = jit_forward(target)(target.params, target.cfg, cache, jnp.asarray(tokens[:, :12]))
     cache = out.cache.advance(12)
     pieces = [out.logits]
     for t in range(12, 20):
-        out = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens[:, t : t + 1]))
+        out = jit_forward(target)(target.params, target.cfg, cache, jnp.asarray(tokens[:, t : t + 1]))
         cache = out.cache.advance(1)
         pieces.append(out.logits)
     assert rel_err(jnp.concatenate(pieces, axis=1), full) < 1e-5
@@ -49,14 +61,14 @@ def test_batch_rows_equal_single_runs_with_ragged_lengths(target):
     for i, n in enumerate(lengths):
         tokens[i, :n] = rng.integers(3, 256, size=n)
     cache = target.init_cache(4, CAPACITY)
-    batched = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens))
+    batched = jit_forward(target)(target.params, target.cfg, cache, jnp.asarray(tokens))
     for i, n in enumerate(lengths):
         single = full_forward(target, tokens[i : i + 1, :n]).logits[0]
         assert rel_err(batched.logits[i, :n], single) < 1e-5
     # then decode one step per row at each row's own length
     cache = batched.cache.with_lengths(jnp.asarray(lengths))
     nxt = rng.integers(3, 256, size=(4, 1)).astype(np.int32)
-    step = target.forward(target.params, target.cfg, cache, jnp.asarray(nxt))
+    step = jit_forward(target)(target.params, target.cfg, cache, jnp.asarray(nxt))
     for i, n in enumerate(lengths):
         seq = np.concatenate([tokens[i, :n], nxt[i]])[None]
         assert rel_err(step.logits[i, 0], full_forward(target, seq).logits[0, -1]) < 1e-5
@@ -78,10 +90,10 @@ def test_tree_masked_verify_equals_separate_chains(target):
             mask[i, j] = True
             j = parents[j]
     cache = target.init_cache(1, CAPACITY)
-    out = target.forward(target.params, target.cfg, cache, jnp.asarray(prefix))
+    out = jit_forward(target)(target.params, target.cfg, cache, jnp.asarray(prefix))
     cache = out.cache.advance(prefix.shape[1])
     positions = jnp.asarray(prefix.shape[1] + depth)[None]
-    tree = target.forward(target.params, target.cfg, cache, jnp.asarray(tree_tokens), positions, jnp.asarray(mask),
+    tree = jit_forward(target)(target.params, target.cfg, cache, jnp.asarray(tree_tokens), positions, jnp.asarray(mask),
                           taps=(1,))
     for chain_nodes in ([0, 1, 2], [0, 3, 4]):
         seq = np.concatenate([prefix[0], tree_tokens[0, chain_nodes]])[None]
@@ -104,7 +116,7 @@ def test_logits_at_selects_positions(target):
     tokens = np.arange(3, 19, dtype=np.int32).reshape(2, 8)
     full = full_forward(target, tokens).logits
     cache = target.init_cache(2, CAPACITY)
-    sel = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens), logits_at=jnp.array([[7], [3]]))
+    sel = jit_forward(target)(target.params, target.cfg, cache, jnp.asarray(tokens), logits_at=jnp.array([[7], [3]]))
     assert rel_err(sel.logits[:, 0], jnp.stack([full[0, 7], full[1, 3]])) < 1e-6
 
 
@@ -125,8 +137,8 @@ def test_family_flags_keep_step_consistency(flags):
     tokens = np.arange(3, 15, dtype=np.int32)[None]
     full = full_forward(target, tokens).logits
     cache = target.init_cache(1, CAPACITY)
-    out = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens[:, :6]))
-    out2 = target.forward(target.params, target.cfg, out.cache.advance(6), jnp.asarray(tokens[:, 6:]))
+    out = jit_forward(target)(target.params, target.cfg, cache, jnp.asarray(tokens[:, :6]))
+    out2 = jit_forward(target)(target.params, target.cfg, out.cache.advance(6), jnp.asarray(tokens[:, 6:]))
     assert rel_err(jnp.concatenate([out.logits, out2.logits], 1), full) < 1e-5
 
 

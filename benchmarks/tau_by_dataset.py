@@ -1,0 +1,59 @@
+"""Acceptance length and speedup per dataset for every finished run of a sweep directory.
+
+Reads each run's per-batch metrics (`metrics/speculative.jsonl`, `metrics/autoregressive.jsonl`, written by
+`specdec run` / `specdec sweep`) and merges them by the `dataset` of the batch: tau (bonus token counted),
+speculative and AR decode tok/s and their ratio, and the mean of tau over the datasets (the issues' goals are
+averages over MT-Bench, GSM8K and HumanEval).
+
+    python benchmarks/tau_by_dataset.py runs/parallel [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdec.metrics import DecodeMetrics, merge
+
+
+def by_dataset(run_dir: Path, method: str) -> dict[str, DecodeMetrics]:
+    groups: dict[str, list[DecodeMetrics]] = {}
+    path = run_dir / "metrics" / f"{method}.jsonl"
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            groups.setdefault(rec["dataset"], []).append(DecodeMetrics(**rec["metrics"]))
+    return {d: merge(ms) for d, ms in groups.items()}
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweep_dir", type=Path)
+    ap.add_argument("--json", metavar="OUT")
+    args = ap.parse_args(argv)
+    rows = []
+    for summary in sorted(args.sweep_dir.glob("*/summary.json")):
+        run = summary.parent
+        spec, ar = by_dataset(run, "speculative"), by_dataset(run, "autoregressive")
+        taus = {d: m.tau for d, m in spec.items()}
+        speed = {d: m.tokens_per_second / ar[d].tokens_per_second for d, m in spec.items() if d in ar}
+        rows.append({"run": run.name, "tau": taus, "speedup": speed, "mean_tau": sum(taus.values()) / len(taus)})
+    if not rows:
+        sys.exit(f"no finished runs (summary.json) under {args.sweep_dir}")
+    datasets = sorted({d for r in rows for d in r["tau"]})
+    print("| run | " + " | ".join(f"tau {d}" for d in datasets) + " | mean tau | "
+          + " | ".join(f"speedup {d}" for d in datasets) + " |")
+    print("|---|" + "---|" * (2 * len(datasets) + 1))
+    for r in rows:
+        print(f"| {r['run']} | " + " | ".join(f"{r['tau'].get(d, float('nan')):.2f}" for d in datasets)
+              + f" | {r['mean_tau']:.2f} | "
+              + " | ".join(f"{r['speedup'].get(d, float('nan')):.2f}x" for d in datasets) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
