@@ -45,9 +45,11 @@ def cmd_quickstart(args) -> int:
     target = load_target(args.model, backend=args.backend)
     prompts = builtin("quickstart")
     encoded = [target.tokenizer.encode_chat(text) for _, text in prompts]
-    specs = [DrafterSpec("ngram", 6, {"max_ngram": 3}), DrafterSpec("self_spec", 4, {"num_layers": 24})]
+    # n-gram twice: with the engine's narrow verify steps (a lookup miss runs a 1-token step) and without
+    specs = [DrafterSpec("ngram", 6, {"max_ngram": 3}), DrafterSpec("ngram", 6, {"max_ngram": 3}, buckets="auto"),
+             DrafterSpec("self_spec", 4, {"num_layers": 24})]
     if "suffix" in drafters.available():
-        specs.insert(1, DrafterSpec("suffix", 8, {}, policy="greedy_tree"))
+        specs.insert(2, DrafterSpec("suffix", 8, {}, policy="greedy_tree"))
     print(f"{len(prompts)} built-in prompts ({', '.join(sorted({c for c, _ in prompts}))}), batch 1, greedy, "
           f"{args.max_new_tokens} new tokens; AR baseline first, then each drafter (compile excluded)\n",
           flush=True)

@@ -25,12 +25,16 @@ class DrafterSpec:
     params: dict = dataclasses.field(default_factory=dict)
     policy: str = "greedy_chain"
     label: str = ""
+    buckets: object = None  # the engine's verify_buckets ("auto" / node counts); None: always verify all k + 1
+
 
     @property
     def title(self) -> str:
         if self.label:
             return self.label
         extra = ",".join(f"{k}={v}" for k, v in self.params.items())
+        if self.buckets is not None:
+            extra += f"{',' if extra else ''}buckets={self.buckets}"
         return f"{self.name}(k={self.num_draft_tokens}{',' + extra if extra else ''})"
 
 
@@ -60,7 +64,7 @@ def run_drafter(target: Target, spec: DrafterSpec, prompts, max_new_tokens, samp
     for start in range(0, len(prompts), batch_size):
         out = speculative_generate(target, drafter, prompts[start:start + batch_size], policy=spec.policy,
                                    max_new_tokens=max_new_tokens, sampling=sampling, compiled=compiled,
-                                   warmup=True)
+                                   warmup=True, verify_buckets=spec.buckets)
         outputs += out.tokens
         metrics.append(out.metrics)
     return outputs, merge(metrics)

@@ -427,3 +427,20 @@ def test_gsm8k_scorer_and_quality_table():
     texts = {"autoregressive": {"gsm8k/0": "18", "gsm8k/1": "4"}, "speculative": {"gsm8k/0": "18", "gsm8k/1": "4"}}
     q = score_all(prompts, texts)["gsm8k"]
     assert q["metric"] == "accuracy" and q["autoregressive"] == q["speculative"] == 0.5 and q["identical"]
+
+
+def test_compare_rows_with_and_without_verify_buckets():
+    """The quickstart's comparison: the same drafter with the engine's narrow verify steps is its own row, and
+    both equal AR token for token."""
+    from experiments.compare import DrafterSpec, compare, table
+    from specdec.models.config import tiny_config
+    from specdec.target import random_target
+
+    target = random_target(tiny_config(), seed=1, scale=0.35)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12]]
+    rows = compare(target, prompts, [DrafterSpec("ngram", 4, {"max_ngram": 2}),
+                                     DrafterSpec("ngram", 4, {"max_ngram": 2}, buckets="auto")], max_new_tokens=12)
+    assert [r.method for r in rows] == ["autoregressive", "ngram(k=4,max_ngram=2)",
+                                        "ngram(k=4,max_ngram=2,buckets=auto)"]
+    assert all(r.matches_ar for r in rows) and rows[1].outputs == rows[2].outputs
+    assert "buckets=auto" in table(rows)
