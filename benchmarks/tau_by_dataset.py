@@ -15,17 +15,13 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.metrics import DecodeMetrics, merge
+from experiments.run import AR, SPEC, RecordStore, RunPaths
 
 
-def by_dataset(run_dir: Path, method: str) -> dict[str, DecodeMetrics]:
-    groups: dict[str, list[DecodeMetrics]] = {}
-    path = run_dir / "metrics" / f"{method}.jsonl"
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            groups.setdefault(rec["dataset"], []).append(DecodeMetrics(**rec["metrics"]))
-    return {d: merge(ms) for d, ms in groups.items()}
+def by_dataset(run_dir: Path, method: str) -> dict:
+    """{dataset: merged DecodeMetrics} of one method of a finished run (its per-batch metrics records)."""
+    store = RecordStore(RunPaths(run_dir), method)
+    return {d: store.merged(d, by="dataset") for d in dict.fromkeys(b["dataset"] for b in store.batches)}
 
 
 def main(argv=None) -> list[dict]:
@@ -36,7 +32,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for summary in sorted(args.sweep_dir.glob("*/summary.json")):
         run = summary.parent
-        spec, ar = by_dataset(run, "speculative"), by_dataset(run, "autoregressive")
+        spec, ar = by_dataset(run, SPEC), by_dataset(run, AR)
         taus = {d: m.tau for d, m in spec.items()}
         speed = {d: m.tokens_per_second / ar[d].tokens_per_second for d, m in spec.items() if d in ar}
         rows.append({"run": run.name, "tau": taus, "speedup": speed, "mean_tau": sum(taus.values()) / len(taus)})

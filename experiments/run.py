@@ -194,9 +194,10 @@ class RecordStore:
     def texts(self) -> dict[str, str]:
         return {k: r["choices"][0]["turns"][0] for k, r in self.records.items()}
 
-    def merged(self, group: str | None = None) -> DecodeMetrics | None:
-        """All batches merged, or those reported under `group` (a category, or "<dataset> (mixed)")."""
-        items = [DecodeMetrics(**b["metrics"]) for b in self.batches if group is None or b["category"] == group]
+    def merged(self, group: str | None = None, by: str = "category") -> DecodeMetrics | None:
+        """All batches merged, or those whose `by` field equals `group` (a category, "<dataset> (mixed)", or with
+        by="dataset" a dataset name)."""
+        items = [DecodeMetrics(**b["metrics"]) for b in self.batches if group is None or b[by] == group]
         return merge(items) if items else None
 
 
@@ -370,7 +371,7 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
     policy_name, policy_note = effective_policy(cfg.verify, drafter)
     # the engine's per-round choices of what to verify: the scheduler and the verify-width buckets
     engine_opts = {"scheduler": build_scheduler(cfg, target, drafter, log=echo),
-                   "verify_buckets": None if cfg.verify.buckets == "none" else cfg.verify.buckets}
+                   "verify_buckets": cfg.verify.buckets}
     policy = get_policy(policy_name)
     sampling = cfg.sampling.to_params()
     label = drafter_label(drafter, dparams)

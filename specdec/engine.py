@@ -86,15 +86,15 @@ def propose(spec: LoopSpec, dparams, state: LoopState):
 
 
 def bucket_widths(num_draft_tokens: int, buckets) -> tuple[int, ...]:
-    """The verify widths (draft nodes per target step) of `verify.buckets`: None or [] = always all N; "auto" =
-    1, 2, 4, ... tokens per row (root + 0, 1, 3, 7, ... nodes) below N, then N; or an explicit list of node counts
-    in [0, N] (N is always added)."""
+    """The verify widths (draft nodes per target step) of `verify.buckets`: None, "none" or [] = always all N;
+    "auto" = 1, 2, 4, ... tokens per row (root + 0, 1, 3, 7, ... nodes) below N, then N; or an explicit list of
+    node counts in [0, N] (N is always added)."""
     n = num_draft_tokens
-    if buckets is None or (not isinstance(buckets, str) and len(buckets) == 0):
+    if buckets is None or buckets == "none" or (not isinstance(buckets, str) and len(buckets) == 0):
         return ()
     if isinstance(buckets, str):
         if buckets != "auto":
-            raise ValueError(f"verify.buckets must be 'auto' or a list of draft-node counts, got {buckets!r}")
+            raise ValueError(f"verify.buckets must be 'none', 'auto' or a list of draft-node counts, got {buckets!r}")
         widths, tokens = set(), 1
         while tokens - 1 < n:
             widths.add(tokens - 1)

@@ -118,7 +118,8 @@ def test_narrow_verify_step_equals_the_full_step_on_its_positions():
             assert not np.any(got[:, start + t:])
     with pytest.raises(ValueError, match=r"verify.buckets.*\[0, 4\].*\[5\]"):
         engine.bucket_widths(4, [1, 5])
-    assert engine.bucket_widths(4, None) == () and engine.bucket_widths(7, [2]) == (2, 7)
+    assert engine.bucket_widths(4, None) == engine.bucket_widths(4, "none") == ()
+    assert engine.bucket_widths(7, [2]) == (2, 7)
 
 
 def test_bucketed_verify_is_lossless():
