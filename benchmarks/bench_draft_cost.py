@@ -13,14 +13,12 @@ Greedy sampling; the drafter state is not advanced between calls (every call dra
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,8 +26,7 @@ from bench_speculative import DEFAULT_DATA, load_prompts  # noqa: E402
 
 from drafters import create_drafter  # noqa: E402
 from specdec import engine  # noqa: E402
-from specdec.drafter import PromptInfo  # noqa: E402
-from specdec.generate import cache_capacity, pad_prompts, prefill  # noqa: E402
+from specdec.generate import cache_capacity, pad_prompts  # noqa: E402
 from specdec.sampling import GREEDY  # noqa: E402
 from specdec.target import load_target  # noqa: E402
 from specdec.verify import get_policy  # noqa: E402
@@ -49,30 +46,14 @@ def round_costs(target, drafter, prompts, reps: int) -> dict:
     spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter,
                            policy=get_policy("greedy_chain"), sampling=GREEDY, eos_ids=tuple(target.eos_token_ids))
     tokens, lengths = pad_prompts(prompts, target.cfg.pad_token_id or 0)
-    k = drafter.num_draft_tokens
-    capacity = cache_capacity(lengths, 64, extra=k + 1)
-    cache = target.init_cache(len(prompts), capacity)
-    logits, taps, cache = prefill(target.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
-                                  forward=target.forward, cfg=target.cfg, taps=drafter.taps)
-    first, state = engine._initial_state(spec, jnp.asarray(tokens), jnp.asarray(lengths), logits, cache,
-                                         jax.random.PRNGKey(0), 64, capacity=capacity)
-    info = PromptInfo(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), taps=taps, first_token=first)
-    state = dataclasses.replace(state, drafter_state=drafter.init(drafter.params, info, capacity))
+    capacity = cache_capacity(lengths, 64, extra=drafter.num_draft_tokens + 1)
+    state = engine.start(spec, target, drafter, target.init_cache(len(prompts), capacity), tokens, lengths,
+                         capacity, 64, seed=0)
     draft_ms = median_ms(lambda: engine._jit_propose(spec, drafter.params, state)[0].tokens, reps)
     draft, _ = engine._jit_propose(spec, drafter.params, state)
-    verify = jax.jit(lambda c, d: engine.target_verify(spec, target.params, c, *verify_inputs(state, d), None))
-    verify_ms = median_ms(lambda: verify(state.cache, draft).logits, reps)
+    verify = jax.jit(lambda s, d: engine.verify_step(spec, target.params, s, d)[0].logits)
+    verify_ms = median_ms(lambda: verify(state, draft), reps)
     return {"draft_ms": draft_ms, "verify_ms": verify_ms}
-
-
-def verify_inputs(state, draft):
-    from specdec import trees
-
-    rows = jnp.arange(draft.tokens.shape[0])
-    root = state.seq[rows, state.seq_len - 1]
-    toks = jnp.concatenate([root[:, None], draft.tokens.astype(jnp.int32)], axis=1)
-    mask, depth = trees.tree_attention(draft.parents, draft.valid)
-    return toks, state.cache.lengths[:, None] + depth, mask
 
 
 def main(argv=None) -> list[dict]:

@@ -132,18 +132,24 @@ def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, ma
     return jax.lax.switch(index, [branch(w) for w in spec.verify_widths], cache)
 
 
-def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
-    """Steps 2-5 minus the drafter update. Returns (state, VerifyResult, target taps)."""
+def verify_step(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
+    """Step 2: the target over [root, nodes] (tree mask, positions = cache length + depth), as narrow as the
+    active rows' valid nodes allow. Returns (the target's StepOutput, depth [B, N+1])."""
     batch, num_nodes = draft.tokens.shape
-    key, sub = jax.random.split(state.key)
-    rows = jnp.arange(batch)
-    root = state.seq[rows, state.seq_len - 1]
+    root = state.seq[jnp.arange(batch), state.seq_len - 1]
     tokens = jnp.concatenate([root[:, None], draft.tokens.astype(jnp.int32)], axis=1)
     mask, depth = trees.tree_attention(draft.parents, draft.valid)
     positions = state.cache.lengths[:, None] + depth
     node_index = jnp.arange(1, num_nodes + 1)[None, :]
     need = jnp.max(jnp.where(draft.valid & ~state.done[:, None], node_index, 0))
-    out = target_verify(spec, tparams, state.cache, tokens, positions, mask, need)
+    return target_verify(spec, tparams, state.cache, tokens, positions, mask, need), depth
+
+
+def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
+    """Steps 2-5 minus the drafter update. Returns (state, VerifyResult, target taps)."""
+    batch, num_nodes = draft.tokens.shape
+    key, sub = jax.random.split(state.key)
+    out, depth = verify_step(spec, tparams, state, draft)
     result: VerifyResult = spec.policy.verify(draft, out.logits, spec.sampling, sub)
     cache = out.cache
     if spec.drafter.kind == "tree":
@@ -274,15 +280,23 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round)
 
 
+def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, tokens, lengths, capacity: int,
+          limit, seed: int) -> LoopState:
+    """Prefill the padded prompts into `cache`, sample each row's first token, initialise the drafter: the
+    state the loop starts from."""
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    logits, taps, cache = prefill(target.params, cache, tokens, lengths, forward=target.forward, cfg=target.cfg,
+                                  taps=drafter.taps)
+    first, state = _initial_state(spec, tokens, lengths, logits, cache, jax.random.PRNGKey(seed), limit,
+                                  capacity=capacity)
+    prompt = PromptInfo(tokens=tokens, lengths=lengths, taps=taps, first_token=first)
+    return dataclasses.replace(state, drafter_state=drafter.init(drafter.params, prompt, capacity))
+
+
 def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled, on_round=None) -> SpecOutput:
     cache = target.init_cache(len(tokens), capacity)
     t0 = time.perf_counter()
-    logits, taps, cache = prefill(target.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
-                                  forward=target.forward, cfg=target.cfg, taps=drafter.taps)
-    first, state = _initial_state(spec, jnp.asarray(tokens), jnp.asarray(lengths), logits, cache,
-                                  jax.random.PRNGKey(seed), limit, capacity=capacity)
-    prompt = PromptInfo(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), taps=taps, first_token=first)
-    state = dataclasses.replace(state, drafter_state=drafter.init(drafter.params, prompt, capacity))
+    state = start(spec, target, drafter, cache, tokens, lengths, capacity, limit, seed)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
 
