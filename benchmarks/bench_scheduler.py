@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import DEFAULT_DATA, SUBSETS, groups_of, load_prompts  # noqa: E402
+from bench_speculative import DEFAULT_DATA, SUBSETS, groups_of, load_prompts, write_json  # noqa: E402
 
 from drafters import create_drafter  # noqa: E402
 from specdec.engine import speculative_generate  # noqa: E402
@@ -129,10 +128,7 @@ def main(argv=None) -> dict:
         s = sched[0]
         print(f"| {batch} | {bm['method']} {bm['tok_s']:.1f} | {s['tok_s']:.1f} | {bp['method']} "
               f"{bp['predicted_tok_s']:.1f} | {s['predicted_tok_s']:.1f} |")
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_json(args.json, summary)
     return summary
 
 

@@ -339,11 +339,17 @@ def main(argv=None) -> dict:
     summary["wall_seconds"] = time.time() - t_start
     summary["load_avg_at_end"] = os.getloadavg()
     print_tables(summary)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, summary)
     return summary
+
+
+def write_json(path: str | None, summary) -> None:
+    """A benchmark's JSON summary (`--json OUT`; parent folders made; nothing when path is None)."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=2)
+        print(f"wrote {path}")
 
 
 def _same(a: list[list[int]], b: list[list[int]]) -> str:

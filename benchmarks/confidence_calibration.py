@@ -20,49 +20,29 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from scipy.stats import mannwhitneyu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import DEFAULT_DATA, SUBSETS, load_prompts  # noqa: E402
+from bench_speculative import DEFAULT_DATA, SUBSETS, load_prompts, write_json  # noqa: E402
 
 from drafters import create_drafter  # noqa: E402
-from drafters.dspark import DSparkDrafter  # noqa: E402
+from drafters.dspark import DSparkDrafter, ece  # noqa: E402
 from specdec.engine import speculative_generate  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 from specdec.target import load_target  # noqa: E402
 
 
 def auroc(score: np.ndarray, label: np.ndarray) -> float:
-    """Mann-Whitney AUROC with ties counted 1/2 (nan without both classes)."""
+    """P(score of a positive > score of a negative), ties 1/2 (Mann-Whitney U / (n+ n-)); nan without both."""
     pos, neg = score[label], score[~label]
     if len(pos) == 0 or len(neg) == 0:
         return float("nan")
-    order = np.argsort(np.concatenate([pos, neg]), kind="mergesort")
-    allv = np.concatenate([pos, neg])[order]
-    ranks = np.empty(len(allv))
-    # average ranks over ties
-    i = 0
-    while i < len(allv):
-        j = i
-        while j + 1 < len(allv) and allv[j + 1] == allv[i]:
-            j += 1
-        ranks[i:j + 1] = (i + j) / 2 + 1
-        i = j + 1
-    r = np.empty(len(allv))
-    r[order] = ranks
-    return float((r[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
-
-
-def ece(pred: np.ndarray, label: np.ndarray, bins: int = 10) -> float:
-    idx = np.minimum((pred * bins).astype(int), bins - 1)
-    return float(sum(abs(pred[idx == b].mean() - label[idx == b].mean()) * np.mean(idx == b)
-                     for b in range(bins) if np.any(idx == b)))
+    return float(mannwhitneyu(pos, neg).statistic / (len(pos) * len(neg)))
 
 
 def collect(target, drafter, prompts, max_new: int, sampling: SamplingParams, batch: int, seed: int = 0):
@@ -134,10 +114,7 @@ def main(argv=None) -> dict:
         pos = " ".join(f"{p['auroc']:.2f}/{p['ece']:.2f}" for p in r["by_position"])
         print(f"| {r['temperature']:g} | {r['drafter']} | {r['auroc']:.3f} | {r['ece']:.3f} | "
               f"{r['mean_confidence']:.3f} | {r['accept_rate']:.3f} | {pos} |")
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_json(args.json, summary)
     return summary
 
 

@@ -60,7 +60,7 @@ def confidence_logit(heads: dict, hidden: jax.Array, e: jax.Array) -> jax.Array:
     return jnp.concatenate([hidden, e], axis=-1) @ heads["conf"]["w"] + heads["conf"]["b"]
 
 
-def _ece(pred: np.ndarray, label: np.ndarray, bins: int = 10) -> float:
+def ece(pred: np.ndarray, label: np.ndarray, bins: int = 10) -> float:
     """Expected calibration error with soft labels: sum over equal-width bins of |mean pred - mean label| * share."""
     idx = np.minimum((pred * bins).astype(int), bins - 1)
     total = 0.0
@@ -80,7 +80,7 @@ def sequential_temperatures(z: np.ndarray, alpha: np.ndarray, grid=TEMPERATURE_G
     survive = np.ones(m)
     label = np.cumprod(alpha, axis=1)
     for j in range(g):
-        scores = [_ece(survive / (1 + np.exp(-z[:, j] / t)), label[:, j]) for t in grid]
+        scores = [ece(survive / (1 + np.exp(-z[:, j] / t)), label[:, j]) for t in grid]
         temps[j] = grid[int(np.argmin(scores))]
         survive = survive / (1 + np.exp(-z[:, j] / temps[j]))
     return temps

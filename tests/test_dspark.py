@@ -71,8 +71,8 @@ def test_sequential_temperature_scaling_recovers_known_temperatures():
     alpha = np.stack([1 / (1 + np.exp(-z[:, 0] / 2)), 1 / (1 + np.exp(-z[:, 1] / 0.5))], axis=1)
     temps = dspark.sequential_temperatures(z, alpha)
     assert abs(np.log(temps[0] / 2.0)) < 0.15 and abs(np.log(temps[1] / 0.5)) < 0.15, temps
-    raw = dspark._ece(1 / (1 + np.exp(-z[:, 0])), alpha[:, 0])
-    fitted = dspark._ece(1 / (1 + np.exp(-z[:, 0] / temps[0])), alpha[:, 0])
+    raw = dspark.ece(1 / (1 + np.exp(-z[:, 0])), alpha[:, 0])
+    fitted = dspark.ece(1 / (1 + np.exp(-z[:, 0] / temps[0])), alpha[:, 0])
     assert fitted < 0.5 * raw
 
 
