@@ -165,7 +165,8 @@ def cmd_data(args) -> int:
                 max_new_tokens=min(gen.max_new_tokens, 128), batch_size=gen.batch_size,
                 progress=not args.no_progress, cache_path=Path(tc.data_dir) / "self_prompts.jsonl")
         else:
-            prompts += load_prompt_records(ds.name, split=ds.split, field=ds.field, limit=ds.limit)
+            prompts += load_prompt_records(ds.name, split=ds.split, field=ds.field, limit=ds.limit,
+                                          sample_seed=ds.sample_seed)
     max_prompt = tc.seq_len - gen.max_new_tokens if tc.seq_len > gen.max_new_tokens else tc.seq_len // 2
     print(f"{len(prompts)} prompts -> responses of up to {gen.max_new_tokens} tokens "
           f"(temperature {sampling.temperature}, batch {gen.batch_size}) into {tc.data_dir}", flush=True)

@@ -22,6 +22,7 @@ Known record layouts are detected from their fields (or forced with `field`):
 Python function ..."), since an instruction-tuned model answers a bare code prompt unpredictably.
 (**) MBPP's standard prompt: the task text plus its assert statements, so the function name is known.
 `per_category: N` keeps the first N prompts of each category (e.g. 2 of each of MT-Bench's 8), then `limit`.
+`sample_seed: S` shuffles the records with seed S first (a random sample; the indices stay the file positions).
 MBPP splits follow the paper: test = task_id 11-510 (default), validation 511-600, train 601-974, prompt 1-10.
 """
 
@@ -31,7 +32,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from specdec.config import DatasetConfig
-from specdec.records import DataError, load_records, record_text
+from specdec.records import DataError, load_records, record_text, sample_order
 from specdec.prompts import PROMPT_SETS, builtin
 
 MBPP_SPLITS = {"test": (11, 510), "validation": (511, 600), "train": (601, 974), "prompt": (1, 10)}
@@ -120,7 +121,7 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
         if ds.field is not None:
             raise DatasetError(f"dataset {name!r} is a built-in prompt set; `field` does not apply to it")
         items = [Prompt(name, i, ds.category or cat, text, None, "builtin")
-                 for i, (cat, text) in enumerate(builtin(name))]
+                 for i, (cat, text) in sample_order(builtin(name), ds.sample_seed)]
         return _select(items, ds)
     records, where, label = load_records(name, ds.split, default_split="test")
     layout = detect_layout(records[0])
@@ -134,7 +135,7 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
         if all("task_id" in r for r in records):
             records = [r for r in records if lo <= int(r["task_id"]) <= hi]
     prompts = []
-    for i, record in enumerate(records):
+    for i, record in sample_order(records, ds.sample_seed):
         if ds.limit and not ds.per_category and len(prompts) >= ds.limit:
             break
         prompts.append(to_prompt(record, i, label=label, layout=layout, field=ds.field, category=ds.category,

@@ -193,6 +193,9 @@ class DatasetConfig:
     limit: int | None = None  # first N prompts; None = all
     category: str | None = None  # label used to group results ("code", "math", ...)
     per_category: int | None = None  # first N prompts of each of the records' own categories (before limit)
+    # Shuffle the records with this seed before `per_category` / `limit`: a random sample instead of the file's
+    # first N (files sorted by source, like the training prompts, otherwise give N of one source). None: file order.
+    sample_seed: int | None = None
 
     def __post_init__(self):
         _require(bool(self.name), "name", "must not be empty")

@@ -19,6 +19,9 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
 
 FILE_SUFFIXES = (".jsonl", ".json", ".csv")
 PROMPT_FIELDS = ("prompt", "instruction", "question", "text", "input", "query")
@@ -133,3 +136,10 @@ def record_text(record: dict, field: str | None, where: str) -> str:
             return text
     raise DataError(f"{where}: cannot tell which field holds the prompt (fields: {sorted(record)}); "
                     f"set `field` in the dataset config")
+
+
+def sample_order(records: Sequence, seed: int | None) -> list[tuple[int, Any]]:
+    """(file position, record) in file order, or in a permutation drawn from `seed` (a random sample when the
+    caller then keeps the first N)."""
+    order = np.arange(len(records)) if seed is None else np.random.default_rng(seed).permutation(len(records))
+    return [(int(i), records[int(i)]) for i in order]

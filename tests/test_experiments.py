@@ -323,6 +323,8 @@ def test_dataset_layouts(tmp_path):
     assert items[2].reference == ["meow"]
     assert [p.question_id for p in load_prompts(DatasetConfig(mt, per_category=1))] == [81, 91]
     assert len(load_prompts(DatasetConfig(mt, limit=2))) == 2
+    sampled = [p.question_id for p in load_prompts(DatasetConfig(mt, sample_seed=0))]
+    assert sorted(sampled) == [81, 82, 91] and sampled == [91, 81, 82]  # permutation [2, 0, 1] of seed 0
 
     gsm = write_jsonl(tmp_path / "test.jsonl", [{"question": "2+2?", "answer": "It is 4.\n#### 4"},
                                                  {"question": "How many?", "answer": "Lots.\n#### 1,234"}])

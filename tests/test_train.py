@@ -110,6 +110,12 @@ def test_prompt_files_and_offline_hub(tmp_path, monkeypatch):
     assert [(r.id, r.text) for r in recs] == [("a", "hi"), ("p-1", "do\n\nthis")]
     assert [r.text for r in D.load_prompt_records(str(tmp_path / "p.csv"), limit=1)] == ["first"]
     assert [r.text for r in D.load_prompt_records(str(tmp_path / "p.json"), split="train")] == ["why?"]
+    # sample_seed: a seeded random sample, not the file's head (a source-sorted file would give one source)
+    (tmp_path / "many.jsonl").write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(50)))
+    picked = [r.text for r in D.load_prompt_records(str(tmp_path / "many.jsonl"), limit=5, sample_seed=3)]
+    assert picked == [r.text for r in D.load_prompt_records(str(tmp_path / "many.jsonl"), limit=5, sample_seed=3)]
+    assert len(set(picked)) == 5 and picked != [f"p{i}" for i in range(5)]
+    assert picked != [r.text for r in D.load_prompt_records(str(tmp_path / "many.jsonl"), limit=5, sample_seed=4)]
     with pytest.raises(D.DataError, match="not found"):
         D.load_prompt_records(str(tmp_path / "missing.jsonl"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

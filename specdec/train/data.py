@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from specdec.generate import PROMPT_BUCKET, check_fits
-from specdec.records import DataError, load_records, record_text
+from specdec.records import DataError, load_records, record_text, sample_order
 from specdec.sampling import SamplingParams
 
 SELF_PROMPTS = "self"  # data.datasets name meaning "the target writes the prompts"
@@ -55,13 +55,14 @@ class PromptRecord:
 # ---------------------------------------------------------------------------------------------------------
 
 def load_prompt_records(name: str, *, split: str | None = None, field: str | None = None,
-                        limit: int | None = None) -> list[PromptRecord]:
-    """Prompts from a local file (by suffix) or a `datasets` hub name ("owner/name[:config]")."""
+                        limit: int | None = None, sample_seed: int | None = None) -> list[PromptRecord]:
+    """Prompts from a local file (by suffix) or a `datasets` hub name ("owner/name[:config]"); with
+    `sample_seed`, a seeded random `limit` of them (ids keep the records' file positions)."""
     if name == SELF_PROMPTS:
         raise DataError(f"{SELF_PROMPTS!r} prompts are written by the target: use self_generated_prompts")
     records, where, label = load_records(name, split, default_split="train")
     out = []
-    for i, record in enumerate(records):
+    for i, record in sample_order(records, sample_seed):
         if limit is not None and len(out) >= limit:
             break
         rid = next((str(record[k]) for k in ("id", "question_id", "task_id") if k in record), f"{label}-{i}")
