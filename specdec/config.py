@@ -264,6 +264,10 @@ class TrainConfig:
     features_dir: str | None = None  # feature cache location; None: under data_dir/features/
     features_dtype: Literal["float16", "float32"] = "float16"
     shard_size: int = 64  # `specdec data`: prompts per stored shard (the unit of resumption)
+    # A trained drafter (run directory or export) of the same kind and architecture whose parameters and buffers
+    # start this run instead of a fresh init: continued training / fine-tuning on new data. A run that already
+    # has checkpoints resumes from them instead.
+    init_from: str | None = None
 
     def __post_init__(self):
         _at_least(self, 1, "steps", "batch_size", "checkpoint_every", "keep_checkpoints", "eval_every", "seq_len",

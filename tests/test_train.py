@@ -178,6 +178,25 @@ def test_killed_and_resumed_equals_uninterrupted_with_a_nan_episode(work, data_d
         np.testing.assert_array_equal(flat_a[key], flat_b[key], err_msg=key)  # bitwise
 
 
+def test_init_from_a_trained_drafter_starts_from_its_weights(work, data_dir, target):
+    import dataclasses
+    reference = trained(work, data_dir, "medusa")
+    cfg = load_config(CONFIG, overrides(work, data_dir, "medusa"))
+    task = make_task("medusa", target, cfg.train.drafter_options)
+    data = D.load_distill_data(data_dir)
+    tcfg = dataclasses.replace(cfg.train, init_from=str(reference), steps=1)
+    summary = train(task, target, data, tcfg, work / "runs" / "medusa_continued", progress=False, eval_draft_len=3,
+                    log=lambda s: None)
+    final = json.loads((reference / "summary.json").read_text())["final_eval"]
+    assert summary["first_eval"]["loss"] == pytest.approx(final["loss"], rel=1e-5)  # step 0 = the loaded weights
+    other = make_task("medusa", target, {**cfg.train.drafter_options, "num_heads": 2})
+    with pytest.raises(ckpt.CheckpointError, match="init_from .*differs from this run's in num_heads"):
+        train(other, target, data, tcfg, work / "runs" / "medusa_other", progress=False, log=lambda s: None)
+    with pytest.raises(ckpt.CheckpointError, match="holds a 'medusa' drafter, not 'eagle3'"):
+        train(make_task("eagle3", target, {}), target, data, tcfg, work / "runs" / "eagle3_other", progress=False,
+              log=lambda s: None)
+
+
 def test_resume_refuses_another_config(work, data_dir, target):
     run = trained(work, data_dir, "eagle3")
     with pytest.raises(ValueError, match="another config.*train.lr"):

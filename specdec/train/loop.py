@@ -180,6 +180,33 @@ def calibrate(task, spec: StepSpec, state: dict, consts, target, eval_idx, batch
     return task.calibrate(state["params"], consts, pairs)
 
 
+def initial_weights(path: str, task, target, params, buffers) -> tuple[Any, Any]:
+    """The params and buffers of the trained drafter at `path`, checked against a fresh init of this task (same
+    drafter, target, architecture config and array shapes), in the fresh init's dtypes."""
+    info = ckpt_lib.load_drafter(path, expect_name=task.name)
+    ckpt_lib.check_target(info, target, f"train.init_from {path}")
+    mine = task.config()
+    theirs = info["config"]
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if differ:
+        there = ", ".join(f"{k}={theirs.get(k)!r}" for k in differ)
+        raise ckpt_lib.CheckpointError(f"train.init_from {path}: its drafter config differs from this run's in "
+                                       f"{', '.join(differ)} ({there} there)")
+
+    def same_shapes(fresh, loaded, what):
+        flat_fresh, flat_loaded = ckpt_lib.flatten(fresh), ckpt_lib.flatten(loaded)
+        bad = sorted(k for k in set(flat_fresh) | set(flat_loaded)
+                     if k not in flat_fresh or k not in flat_loaded
+                     or np.shape(flat_fresh[k]) != np.shape(flat_loaded[k]))
+        if bad:
+            raise ckpt_lib.CheckpointError(f"train.init_from {path}: {what} do not match this drafter's "
+                                           f"({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''})")
+        return jax.tree.map(lambda f, x: jnp.asarray(x, dtype=jnp.asarray(f).dtype), fresh,
+                            ckpt_lib.unflatten(flat_loaded) if flat_loaded else fresh)
+
+    return same_shapes(params, info["params"], "parameters"), same_shapes(buffers, info["buffers"], "buffers")
+
+
 def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=None, progress: bool = True,
           full_config: dict | None = None, eval_draft_len: int = 5, hook: Callable[[int, dict], None] | None = None,
           log: Callable[[str], None] = print) -> dict:
@@ -245,6 +272,9 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
     tx = make_optimizer(hyper)
     counts = data.subset(train_idx).token_counts(target.cfg.vocab_size)
     params, buffers = task.init(jax.random.PRNGKey(cfg.seed), counts)
+    if cfg.init_from:
+        params, buffers = initial_weights(cfg.init_from, task, target, params, buffers)
+        log(f"initialised from {cfg.init_from}")
     state = {"params": params, "buffers": buffers, "opt_state": tx.init(params), "step": jnp.int32(0),
              "key": jax.random.PRNGKey(cfg.seed + 1)}
     state = jax.tree.map(jnp.array, state)  # own buffers: the step donates the state (init may alias the target)
