@@ -7,6 +7,8 @@ Measured in ONE run on the current machine (numbers from different runs or machi
     also shown with the KV cache bytes the step reads added;
   * the jitted single-token step (`target.forward`, donated KV cache, fed its own argmax) at batch 1 and 8,
     median over --steps steps after warm-up, for the reference (unrolled) and scan backends;
+  * the same step over T = 1, 2, 4, 8 tokens per row (--widths, at --width-batches): what a round verifying
+    k drafts costs against one decode step, the cost model every speculative speedup on this machine obeys;
   * end-to-end greedy tokens/s of `specdec.generate.generate` on chat prompts at B=1 and B=8;
   * transformers' greedy tokens/s on the same prompts (B=1), same GGUF, float32;
   * the compiled step's HLO, checked for copies / transposes of cache-sized buffers (each would cost a full
@@ -14,6 +16,7 @@ Measured in ONE run on the current machine (numbers from different runs or machi
   * on an NVIDIA GPU, if JAX sees one: the step there against that GPU's floor (peak HBM bandwidth).
 
     SPECDEC_CACHE=... python benchmarks/bench_decode.py [--steps 300] [--json OUT]
+    SPECDEC_CACHE=... python benchmarks/bench_decode.py --sections widths     # bandwidth + step cost by width only
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ GPU_PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0
 DEFAULT_GPU_PEAK = 4.8e12  # H200
 
 START = 128  # cache length the timed steps start from
+SECTIONS = ("steps", "widths", "generate", "transformers", "gpu")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -103,14 +107,17 @@ def cache_bytes(cache) -> int:
 
 
 def make_step(forward, cfg):
-    """One decode step, jitted with the cache donated; feeds back its own argmax (no host round trip)."""
+    """One step over T tokens per row (T = 1: a decode step; T = k + 1: a chain verify step), jitted with the cache
+    donated; feeds back its own argmax (no host round trip) and advances by T (back to START near the end)."""
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(params, cache, tokens):
+        width = tokens.shape[1]
         out = forward(params, cfg, cache, tokens)
-        cache = out.cache.advance(1)
-        cache = cache.with_lengths(jnp.where(cache.lengths >= cache.capacity - 1, START, cache.lengths))
-        return jnp.argmax(out.logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache
+        cache = out.cache.advance(width)
+        cache = cache.with_lengths(jnp.where(cache.lengths >= cache.capacity - width, START, cache.lengths))
+        nxt = jnp.argmax(out.logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+        return jnp.broadcast_to(nxt, tokens.shape), cache
 
     return step
 
@@ -158,11 +165,12 @@ def decode_loop_copies(target: Target, batch: int, capacity: int, new_tokens: in
     return {"batch": batch, "per_step": per_step, "per_call": total - per_step, "examples": examples[:2]}
 
 
-def time_step(target: Target, batch: int, steps: int, capacity: int, device, warmup: int = 10) -> dict:
+def time_step(target: Target, batch: int, steps: int, capacity: int, device, warmup: int = 10,
+              width: int = 1) -> dict:
     params = jax.device_put(target.params, device)
     with jax.default_device(device):
         cache = target.init_cache(batch, capacity).with_lengths(jnp.full((batch,), START, jnp.int32))
-        tokens = jnp.full((batch, 1), 1, jnp.int32)
+        tokens = jnp.full((batch, width), 1, jnp.int32)
     cache = jax.device_put(cache, device)
     tokens = jax.device_put(tokens, device)
     step = make_step(target.forward, target.cfg).lower(params, cache, tokens).compile()
@@ -178,7 +186,7 @@ def time_step(target: Target, batch: int, steps: int, capacity: int, device, war
         tokens.block_until_ready()
         times.append(time.perf_counter() - t0)
     times_ms = np.array(times) * 1e3
-    return {"backend": target.backend.name, "batch": batch, "capacity": capacity,
+    return {"backend": target.backend.name, "batch": batch, "width": width, "capacity": capacity,
             "median_ms": float(np.median(times_ms)), "p10_ms": float(np.percentile(times_ms, 10)),
             "p90_ms": float(np.percentile(times_ms, 90)), "kv_bytes": kv_bytes,
             "hlo_cache_sized_copies": n_copies, "hlo_copy_examples": copies[:3]}
@@ -266,8 +274,16 @@ def main(argv=None) -> dict:
                     help="torch threads for transformers: a number, or 'auto' = measure 1 and torch's default")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-scan", action="store_true")
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="tokens per row of the timed verify-width steps (the cost of a round of k drafts is the "
+                         "step over k + 1 tokens)")
+    ap.add_argument("--width-batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="what to measure (default: everything)")
     ap.add_argument("--json", metavar="OUT", help="write a JSON summary here")
     args = ap.parse_args(argv)
+    if "transformers" not in args.sections:
+        args.skip_transformers = True
 
     t_start = time.time()
     cpu = jax.devices("cpu")[0]
@@ -296,7 +312,7 @@ def main(argv=None) -> dict:
     if not args.skip_scan:
         targets.append(Target.from_params(cfg, np_params, tokenizer, backend="scan"))
     steps = []
-    for target in targets:
+    for target in targets if "steps" in args.sections else []:
         for batch in (1, 8):
             r = time_step(target, batch, args.steps, args.capacity, cpu)
             r["floor_ms"] = floor_ms
@@ -308,13 +324,26 @@ def main(argv=None) -> dict:
                   f"cache-sized HLO copies: {r['hlo_cache_sized_copies']}", flush=True)
     summary["steps"] = steps
 
+    # -- step cost by tokens per row (the price of verifying k drafts) ------------------------------------
+    widths = []
+    for batch in args.width_batches if "widths" in args.sections else []:
+        for width in args.widths:
+            r = time_step(reference, batch, max(20, args.steps // 10), args.capacity, cpu, warmup=3, width=width)
+            base = next((w["median_ms"] for w in widths if w["batch"] == batch and w["width"] == 1), None)
+            r["ratio_to_width_1"] = r["median_ms"] / base if base else None
+            widths.append(r)
+            print(f"step B={batch} x {width} tokens: {r['median_ms']:.2f} ms (p10 {r['p10_ms']:.2f}, p90 "
+                  f"{r['p90_ms']:.2f})" + (f" = {r['ratio_to_width_1']:.2f}x one token" if base else ""), flush=True)
+    summary["widths"] = widths
+
     # -- end-to-end greedy -------------------------------------------------------------------------------
-    e2e = [time_generate(reference, prompts, b, args.new_tokens) for b in (1, 8)]
+    e2e = [time_generate(reference, prompts, b, args.new_tokens) for b in (1, 8)] if "generate" in args.sections else []
     for r in e2e:
         print(f"generate B={r['batch']}: {r['decode_tok_s']:.1f} tok/s decode, {r['end_to_end_tok_s']:.1f} "
               f"tok/s with prefill ({r['decode_ms_per_step']:.2f} ms/step)", flush=True)
     summary["generate"] = e2e
-    loops = [decode_loop_copies(reference, b, args.capacity, args.new_tokens) for b in (1, 8)]
+    loops = [decode_loop_copies(reference, b, args.capacity, args.new_tokens) for b in (1, 8)
+             if "generate" in args.sections]
     for r in loops:
         if "error" not in r:
             print(f"generate decode_loop B={r['batch']}: cache-sized HLO copies {r['per_step']} per step, "
@@ -350,7 +379,7 @@ def main(argv=None) -> dict:
     except RuntimeError:
         gpus = []
     gpu = []
-    if gpus:
+    if gpus and "gpu" in args.sections:
         dev = gpus[0]
         peak = gpu_peak(dev)
         gbw = measure_bandwidth(dev, nbytes=2 << 30, reps=30)
@@ -382,16 +411,26 @@ def print_table(s: dict) -> None:
     print(f"| weights | {s['param_bytes'] / 1e6:.0f} MB ({s['num_parameters'] / 1e6:.1f}M params) |")
     print(f"| bandwidth (matvec / copy) | {bw['matvec_GBps']:.1f} / {bw['copy_GBps']:.1f} GB/s |")
     print(f"| floor = weights / bandwidth | {s['cpu_floor_ms']:.2f} ms |")
-    print()
-    print("| step | B | median ms | p10-p90 ms | x floor | floor incl. KV | ms/token | cache-sized copies |")
-    print("|---|---|---|---|---|---|---|---|")
+    if s["steps"]:
+        print()
+        print("| step | B | median ms | p10-p90 ms | x floor | floor incl. KV | ms/token | cache-sized copies |")
+        print("|---|---|---|---|---|---|---|---|")
     for r in s["steps"]:
         print(f"| {r['backend']} | {r['batch']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} | "
               f"{r['ratio_to_floor']:.2f} | {r['floor_with_kv_ms']:.2f} | {r['median_ms'] / r['batch']:.2f} | "
               f"{r['hlo_cache_sized_copies']} |")
-    print()
-    print(f"| greedy, {s['new_tokens']} new tokens per prompt | tok/s (decode only) | tok/s (incl. prefill) |")
-    print("|---|---|---|")
+    if s.get("widths"):
+        print()
+        print("| step over T tokens per row | B | T | median ms | p10-p90 ms | x one token (same B) |")
+        print("|---|---|---|---|---|---|")
+        for r in s["widths"]:
+            ratio = f"{r['ratio_to_width_1']:.2f}" if r["ratio_to_width_1"] else "1"
+            print(f"| reference | {r['batch']} | {r['width']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} "
+                  f"| {ratio} |")
+    if s["generate"] or s["transformers"]:
+        print()
+        print(f"| greedy, {s['new_tokens']} new tokens per prompt | tok/s (decode only) | tok/s (incl. prefill) |")
+        print("|---|---|---|")
     for r in s["generate"]:
         print(f"| specdec.generate B={r['batch']} | {r['decode_tok_s']:.1f} | {r['end_to_end_tok_s']:.1f} |")
     for r in s["transformers"]:
