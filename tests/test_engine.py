@@ -37,8 +37,9 @@ def drafters_for(target):
 @pytest.mark.parametrize("policy", ["greedy_chain", "rejection_chain", "greedy_tree", "multidraft_tree"])
 def test_greedy_speculative_equals_ar(policy):
     """Many random models x every chain drafter, batch 4 with ragged acceptance and batch 1.
-    (Drafters hash by settings, so each (drafter, policy, shape) compiles once across seeds.)"""
-    for seed in range(4):
+    (Drafters hash by settings, so each (drafter, policy, shape) compiles once across seeds; three models per
+    policy, as in the dynamic-tree test below, keep the suite near its 10-minute budget.)"""
+    for seed in range(3):
         target = make_target(seed)
         ar = generate(target, PROMPTS, max_new_tokens=17)
         for name, drafter in drafters_for(target).items():
