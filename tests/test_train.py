@@ -7,6 +7,7 @@ checkpoints / data / configs fail with clear errors.
 All runs share one compiled train step per drafter (equal settings hash equal), so keep the overrides below in
 step with each other."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -179,7 +180,6 @@ def test_killed_and_resumed_equals_uninterrupted_with_a_nan_episode(work, data_d
 
 
 def test_init_from_a_trained_drafter_starts_from_its_weights(work, data_dir, target):
-    import dataclasses
     reference = trained(work, data_dir, "medusa")
     cfg = load_config(CONFIG, overrides(work, data_dir, "medusa"))
     task = make_task("medusa", target, cfg.train.drafter_options)
@@ -189,6 +189,10 @@ def test_init_from_a_trained_drafter_starts_from_its_weights(work, data_dir, tar
                     log=lambda s: None)
     final = json.loads((reference / "summary.json").read_text())["final_eval"]
     assert summary["first_eval"]["loss"] == pytest.approx(final["loss"], rel=1e-5)  # step 0 = the loaded weights
+    # a rerun resumes from the run's own checkpoints and never reads init_from again
+    gone = dataclasses.replace(tcfg, init_from=str(work / "runs" / "no_such_drafter"))
+    assert train(task, target, data, gone, work / "runs" / "medusa_continued", progress=False, eval_draft_len=3,
+                 log=lambda s: None)["resumed_from"] == 1
     other = make_task("medusa", target, {**cfg.train.drafter_options, "num_heads": 2})
     with pytest.raises(ckpt.CheckpointError, match="init_from .*differs from this run's in num_heads"):
         train(other, target, data, tcfg, work / "runs" / "medusa_other", progress=False, log=lambda s: None)

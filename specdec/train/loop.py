@@ -272,7 +272,9 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
     tx = make_optimizer(hyper)
     counts = data.subset(train_idx).token_counts(target.cfg.vocab_size)
     params, buffers = task.init(jax.random.PRNGKey(cfg.seed), counts)
-    if cfg.init_from:
+    store = ckpt_lib.CheckpointStore(run / ckpt_lib.CHECKPOINTS, keep=cfg.keep_checkpoints)
+    resumed_from = store.latest_step()
+    if cfg.init_from and resumed_from is None:  # a resumed run continues from its own checkpoints
         params, buffers = initial_weights(cfg.init_from, task, target, params, buffers)
         log(f"initialised from {cfg.init_from}")
     state = {"params": params, "buffers": buffers, "opt_state": tx.init(params), "step": jnp.int32(0),
@@ -283,8 +285,6 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
     state = sharding.place_drafter_state(state, mesh)
     order = BatchOrder(train_idx, cfg.batch_size, cfg.seed)
     ckpt_lib.write_drafter_config(run, task.name, task.config(), ckpt_lib.target_info(target))
-    store = ckpt_lib.CheckpointStore(run / ckpt_lib.CHECKPOINTS, keep=cfg.keep_checkpoints)
-    resumed_from = store.latest_step()
     if resumed_from is not None:
         state, meta = store.restore(resumed_from, like=state)
         state = jax.tree.map(jnp.asarray, state)
