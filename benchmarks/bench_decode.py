@@ -309,7 +309,7 @@ def main(argv=None) -> dict:
 
     # -- jitted single-token step ------------------------------------------------------------------------
     targets = [reference]
-    if not args.skip_scan:
+    if not args.skip_scan and "steps" in args.sections:  # only the single-token step compares backends
         targets.append(Target.from_params(cfg, np_params, tokenizer, backend="scan"))
     steps = []
     for target in targets if "steps" in args.sections else []:
@@ -329,9 +329,9 @@ def main(argv=None) -> dict:
     for batch in args.width_batches if "widths" in args.sections else []:
         for width in args.widths:
             r = time_step(reference, batch, max(20, args.steps // 10), args.capacity, cpu, warmup=3, width=width)
-            base = next((w["median_ms"] for w in widths if w["batch"] == batch and w["width"] == 1), None)
-            r["ratio_to_width_1"] = r["median_ms"] / base if base else None
             widths.append(r)
+            base = next((w["median_ms"] for w in widths if w["batch"] == batch and w["width"] == 1), None)
+            r["ratio_to_width_1"] = r["median_ms"] / base if base else None  # None: width 1 not measured
             print(f"step B={batch} x {width} tokens: {r['median_ms']:.2f} ms (p10 {r['p10_ms']:.2f}, p90 "
                   f"{r['p90_ms']:.2f})" + (f" = {r['ratio_to_width_1']:.2f}x one token" if base else ""), flush=True)
     summary["widths"] = widths
@@ -424,7 +424,7 @@ def print_table(s: dict) -> None:
         print("| step over T tokens per row | B | T | median ms | p10-p90 ms | x one token (same B) |")
         print("|---|---|---|---|---|---|")
         for r in s["widths"]:
-            ratio = f"{r['ratio_to_width_1']:.2f}" if r["ratio_to_width_1"] else "1"
+            ratio = "-" if r["ratio_to_width_1"] is None else f"{r['ratio_to_width_1']:.2f}"
             print(f"| reference | {r['batch']} | {r['width']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} "
                   f"| {ratio} |")
     if s["generate"] or s["transformers"]:
