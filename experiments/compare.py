@@ -27,7 +27,6 @@ class DrafterSpec:
     label: str = ""
     buckets: object = None  # the engine's verify_buckets ("auto" / node counts); None: always verify all k + 1
 
-
     @property
     def title(self) -> str:
         if self.label:
