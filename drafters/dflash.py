@@ -7,7 +7,8 @@ Network (pure JAX; the draft layers have the target's widths and use its layer c
     layer:  q, k, v from RMSNorm(x) as in a Llama block; the keys/values are concat(Wk ctx, Wk x) ("KV
             injection": the same ctx at every layer, through each layer's own Wk/Wv), attention bidirectional
             inside the block, over the context only at positions strictly before the anchor
-    logits  = lm_head(RMSNorm(x))                 the frozen target lm_head
+    logits  = lm_head(RMSNorm(x))                 the frozen target lm_head (optionally only its columns of
+                                                  the N most frequent response tokens: `draft_vocab_size`)
 Layout ("anchor predicts next", the one convention of `specdec.train.tasks`): slot j of a block anchored at
 position a predicts token a + j + 1, so a block of g slots gives g drafts and, with the anchor (the engine's
 root), g + 1 verified tokens.
@@ -15,7 +16,9 @@ root), g + 1 verified tokens.
 Training (`DFlashTask`, the shared loop): N anchors per sequence sampled inside the response; every block sees
 the context strictly before its own anchor (original positions, not block ids) and its own slots, never another
 block; CE against the target-generated tokens weighted exp(-j / decay), the loss mask read at the LABEL position
-and multiplied cumulatively along the block. The training forward and the inference forward are the same
+and multiplied cumulatively along the block. With a reduced draft vocabulary (FR-Spec, METHODS.md: the lm_head
+is ~20% of SmolLM2's weights and dominates a block's memory traffic) the drafter can only propose the d2t ids;
+a label outside them adds no CE (it cannot be drafted) and p_d is 0 there. The training forward and the inference forward are the same
 function (`block_forward`) with different anchors/visibility, which `tests/test_dflash.py` checks numerically.
 
 Inference (`DFlashDrafter`): the draft keeps a K/V cache of context positions only (`transformer.init_cache` /
@@ -38,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafters import register
-from specdec.drafter import Drafter, PromptInfo, RoundContext
+from specdec.drafter import Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
@@ -72,10 +75,12 @@ class BlockArch:
     block_size: int  # g: slots per block = drafts per round at most
     mask_id: int
     markov_rank: int = 0  # DSpark's low-rank Markov head (0: none, plain DFlash)
+    draft_vocab: int = 0  # N > 0: draft only the N most frequent response tokens (the `d2t` buffer)
 
     @classmethod
     def build(cls, target_cfg: ModelConfig, *, num_layers: int = 2, taps=None, block_size: int = 7,
-              mask_token_id: int = -1, intermediate_size: int | None = None, markov_rank: int = 0) -> BlockArch:
+              mask_token_id: int = -1, intermediate_size: int | None = None, markov_rank: int = 0,
+              draft_vocab_size: int = 0) -> BlockArch:
         taps = tuple(int(t) for t in taps) if taps else default_taps(target_cfg.num_layers)
         bad = [t for t in taps if not 0 <= t <= target_cfg.num_layers]
         if bad:
@@ -84,14 +89,19 @@ class BlockArch:
             raise ValueError(f"num_layers and block_size must be >= 1, got {num_layers}, {block_size}")
         if not 0 <= mask_token_id < target_cfg.vocab_size:
             raise ValueError(f"mask_token_id must be in [0, {target_cfg.vocab_size}), got {mask_token_id}")
+        if not 0 <= draft_vocab_size <= target_cfg.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, {target_cfg.vocab_size}] (0: the full vocabulary), "
+                             f"got {draft_vocab_size}")
         cfg = target_cfg.replace(num_layers=int(num_layers), dtype="float32", name=f"block[{target_cfg.name}]",
                                  intermediate_size=int(intermediate_size or target_cfg.intermediate_size))
+        vocab = 0 if draft_vocab_size in (0, target_cfg.vocab_size) else int(draft_vocab_size)
         return cls(cfg=cfg, taps=taps, block_size=int(block_size), mask_id=int(mask_token_id),
-                   markov_rank=int(markov_rank))
+                   markov_rank=int(markov_rank), draft_vocab=vocab)
 
     def to_config(self) -> dict:
         return {"num_layers": self.cfg.num_layers, "taps": list(self.taps), "block_size": self.block_size,
-                "mask_token_id": self.mask_id, "intermediate_size": self.cfg.intermediate_size}
+                "mask_token_id": self.mask_id, "intermediate_size": self.cfg.intermediate_size,
+                "draft_vocab_size": self.draft_vocab}
 
 
 def target_head(target) -> jax.Array:
@@ -280,6 +290,8 @@ class DFlashTask:
 
     name = NAME
     needs_target_logits = False
+    # config keys that shape training only, not the weights: a continued run (train.init_from) may change them
+    training_keys = ("num_anchors", "position_decay", "draft_vocab_size")
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -293,22 +305,34 @@ class DFlashTask:
         return {**self.arch.to_config(), "num_anchors": self.num_anchors, "position_decay": self.position_decay}
 
     def init(self, key, token_counts: np.ndarray):
-        del token_counts
-        return {"backbone": init_backbone(self.arch, key, self.target.params["final_norm"])}, {}
+        buffers = {}
+        if self.arch.draft_vocab:
+            buffers["d2t"] = jnp.asarray(T.reduced_vocab(token_counts, self.arch.draft_vocab,
+                                                         self.target.cfg.eos_token_ids))
+        return {"backbone": init_backbone(self.arch, key, self.target.params["final_norm"])}, buffers
 
     def frozen(self, target) -> dict:
         return {"embed": target.params["embed"], "head": target_head(target)}
 
     # -- heads (DSpark overrides these) -------------------------------------------------------------------
     def slot_logits(self, params, consts, hidden, prev):
-        """Draft logits [..., V] of slots with normed hidden `hidden` and previous tokens `prev`."""
-        return jnp.einsum("...h,hv->...v", hidden, consts["head"], preferred_element_type=jnp.float32)
+        """Draft logits [..., Vd] of slots with normed hidden `hidden` and previous tokens `prev`."""
+        head = consts["head"] if "d2t" not in consts else jnp.take(consts["head"], consts["d2t"], axis=1)
+        return jnp.einsum("...h,hv->...v", hidden, head, preferred_element_type=jnp.float32)
+
+    def label_ce(self, consts, logits, labels):
+        """(CE of the target-id labels, argmax == label) per slot; labels outside the draft vocabulary: CE 0."""
+        d2t = consts.get("d2t")
+        if d2t is None:
+            return T.hard_cross_entropy(logits, labels), jnp.argmax(logits, -1) == labels
+        ids, known = T.to_draft_ids(labels, d2t, self.target.cfg.vocab_size)
+        ce = jnp.where(known, T.hard_cross_entropy(logits, ids), 0.0)
+        return ce, d2t[jnp.argmax(logits, -1)] == labels
 
     def slot_loss(self, params, consts, hidden, prev, labels, target_logits):
         """Per-slot loss [B, N, G] and metrics-to-average {name: [B, N, G]}."""
-        logits = self.slot_logits(params, consts, hidden, prev)
-        ce = T.hard_cross_entropy(logits, labels)
-        return ce, {"ce": ce, "acc": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
+        ce, hit = self.label_ce(consts, self.slot_logits(params, consts, hidden, prev), labels)
+        return ce, {"ce": ce, "acc": hit.astype(jnp.float32)}
 
     # -- shared machinery ---------------------------------------------------------------------------------
     def forward(self, params, consts, tokens, taps, anchors):
@@ -367,9 +391,7 @@ class DFlashTask:
             per_slot, _ = self.slot_loss(params, consts, hidden, prev, labels, tl)
             w = self._weights(ok)
             lg = self.slot_logits(params, consts, hidden, prev)[..., :num_steps, :]
-            tl = tl[..., :num_steps, :]
-            alpha = jnp.sum(jnp.minimum(jax.nn.softmax(lg, -1), jax.nn.softmax(tl, -1)), -1)
-            match = jnp.argmax(lg, -1) == jnp.argmax(tl, -1)
+            alpha, match = T.acceptance(lg, tl[..., :num_steps, :], consts.get("d2t"))
             return jnp.sum(per_slot * w), jnp.sum(w), alpha, match
 
         num, den, alpha, match = jax.lax.map(one, all_anchors)
@@ -378,21 +400,24 @@ class DFlashTask:
         return jnp.sum(num) / jnp.maximum(jnp.sum(den), 1e-6), T.DraftEval(alpha, match)
 
 
-def build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size, markov_rank=0) -> BlockArch:
+def build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size, markov_rank=0,
+               draft_vocab_size=0) -> BlockArch:
     """The BlockArch of the task options (mask_token_id < 0: `default_mask_id`)."""
     mask_id = default_mask_id(target) if mask_token_id is None or mask_token_id < 0 else int(mask_token_id)
     return BlockArch.build(target.cfg, num_layers=num_layers, taps=taps, block_size=block_size,
-                           mask_token_id=mask_id, intermediate_size=intermediate_size, markov_rank=markov_rank)
+                           mask_token_id=mask_id, intermediate_size=intermediate_size, markov_rank=markov_rank,
+                           draft_vocab_size=draft_vocab_size)
 
 
 @T.register_task(NAME)
 def make_task(target, num_layers: int = 2, taps: list | None = None, block_size: int = 7,
               mask_token_id: int = -1, intermediate_size: int | None = None, num_anchors: int = 16,
-              position_decay: float = 4.0) -> DFlashTask:
+              position_decay: float = 4.0, draft_vocab_size: int = 0) -> DFlashTask:
     if num_anchors < 1 or position_decay <= 0:
         raise ValueError(f"dflash: num_anchors must be >= 1 and position_decay > 0, got {num_anchors}, "
                          f"{position_decay}")
-    arch = build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size)
+    arch = build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size,
+                      draft_vocab_size=draft_vocab_size)
     return DFlashTask(arch=arch, num_anchors=int(num_anchors), position_decay=float(position_decay), target=target)
 
 
@@ -420,13 +445,22 @@ class DFlashDrafter(Drafter):
                              f"block it was trained with), got {num_draft_tokens}")
         self.arch, self.num_draft_tokens, self.name = arch, int(num_draft_tokens), name
         self.taps = arch.taps
-        self.params = params  # {"params": trained weights, "embed": target embedding, "head": [H, V], buffers}
+        # {"params": trained weights, "embed": target embedding, "head": [H, Vd], buffers (d2t: int32 [Vd])}
+        self.params = params
 
     @classmethod
     def from_trained(cls, arch, trained, buffers, target, num_draft_tokens):
-        params = {"params": jax.tree.map(jnp.asarray, trained), "embed": jnp.asarray(target.params["embed"]),
-                  "head": target_head(target), **{k: jnp.asarray(v) for k, v in (buffers or {}).items()}}
+        buffers = {k: jnp.asarray(v) for k, v in (buffers or {}).items()}
+        trained, head = jax.tree.map(jnp.asarray, trained), target_head(target)
+        if "d2t" in buffers:  # slice the vocabulary once here, not in every round
+            head, trained = head[:, buffers["d2t"]], cls.restrict_vocab(trained, buffers["d2t"])
+        params = {"params": trained, "embed": jnp.asarray(target.params["embed"]), "head": head, **buffers}
         return cls(arch, params, num_draft_tokens)
+
+    @staticmethod
+    def restrict_vocab(trained, d2t):
+        """Trained weights with an output-vocabulary axis cut to the draft vocabulary (DFlash: none)."""
+        return trained
 
     def _write_context(self, params, cache, taps, positions, at):
         """Append the context K/V of taps [n, B, W, H] at RoPE `positions` [B, W], starting at slot `at` [B]."""
@@ -467,7 +501,9 @@ class DFlashDrafter(Drafter):
         logits = self.head_logits(params, hidden)[:, :k]
         keys = jax.random.split(key, k)
         tokens = jax.vmap(lambda kk, lg: sample(kk, lg, sampling), in_axes=(0, 1), out_axes=1)(keys, logits)
-        probs = None if sampling.greedy else probabilities(logits, sampling)
+        tokens = draft_to_target(tokens, params.get("d2t"))
+        probs = None if sampling.greedy else draft_probs_to_target(
+            probabilities(logits, sampling), params.get("d2t"), self.arch.cfg.vocab_size)
         conf = jnp.cumprod(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1), axis=-1)
         return tokens, probs, conf
 
@@ -491,14 +527,15 @@ class DFlashDrafter(Drafter):
 
     def describe(self):
         return {**super().describe(), "taps": list(self.taps), "block_size": self.arch.block_size,
-                "draft_layers": self.arch.cfg.num_layers}
+                "draft_layers": self.arch.cfg.num_layers, "draft_vocab": self.arch.draft_vocab or "full"}
 
 
 def arch_from_checkpoint(target, config: dict) -> BlockArch:
     return BlockArch.build(target.cfg, num_layers=config["num_layers"], taps=config.get("taps"),
                            block_size=config["block_size"], mask_token_id=config["mask_token_id"],
                            intermediate_size=config.get("intermediate_size"),
-                           markov_rank=config.get("markov_rank", 0))
+                           markov_rank=config.get("markov_rank", 0),
+                           draft_vocab_size=config.get("draft_vocab_size", 0))
 
 
 @register(NAME)

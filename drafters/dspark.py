@@ -19,6 +19,9 @@ p_t the target's distribution at position a+j (temperature 1), with DFlash's anc
 weights. `calibrate` then fits one temperature per slot on held-out data, left to right, each minimising the
 expected calibration error of the prefix survival a_j against the teacher-forced prod_{i<=j} alpha_i
 (alpha = sum min(p_d, p_t)) with the earlier slots' temperatures fixed (sequential temperature scaling).
+With a reduced draft vocabulary (`draft_vocab_size`, see dflash.py) U_j and W2 keep only the d2t columns, p_d is
+0 elsewhere, so the L1 term counts the target mass outside the draft vocabulary too and 1 - 0.5 L1 is still
+exactly the expected acceptance.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 
 from drafters import dflash, register
 from drafters.dflash import BlockArch, DFlashDrafter, DFlashTask
+from specdec.drafter import draft_probs_to_target, draft_to_target
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
@@ -50,10 +54,12 @@ def init_heads(arch: BlockArch, key) -> dict:
                      "b": jnp.zeros((), jnp.float32)}}
 
 
-def markov_bias(heads: dict, prev: jax.Array):
-    """(B_j = W2 W1[prev] [..., V], e = W1[prev] [..., r])."""
+def markov_bias(heads: dict, prev: jax.Array, d2t: jax.Array | None = None):
+    """(B_j = W2 W1[prev] [..., V] (W2's columns d2t only, when given: [..., Vd]), e = W1[prev] [..., r]).
+    `prev` is a target id: W1 covers the whole vocabulary, whatever the draft vocabulary."""
     e = heads["markov"]["w1"][prev]
-    return jnp.einsum("...r,rv->...v", e, heads["markov"]["w2"], preferred_element_type=jnp.float32), e
+    w2 = heads["markov"]["w2"] if d2t is None else jnp.take(heads["markov"]["w2"], d2t, axis=1)
+    return jnp.einsum("...r,rv->...v", e, w2, preferred_element_type=jnp.float32), e
 
 
 def confidence_logit(heads: dict, hidden: jax.Array, e: jax.Array) -> jax.Array:
@@ -95,6 +101,7 @@ class DSparkTask(DFlashTask):
 
     name = NAME
     needs_target_logits = True
+    training_keys = DFlashTask.training_keys + ("ce_weight", "l1_weight", "bce_weight")  # may change in a continued run (train.init_from)
 
     def config(self) -> dict:
         return {**super().config(), "markov_rank": self.arch.markov_rank, "ce_weight": self.ce_weight,
@@ -102,37 +109,42 @@ class DSparkTask(DFlashTask):
 
     def init(self, key, token_counts: np.ndarray):
         k_backbone, k_heads = jax.random.split(key)
-        params, _ = super().init(k_backbone, token_counts)
-        buffers = {"conf_temperature": jnp.ones((self.arch.block_size,), jnp.float32)}
+        params, buffers = super().init(k_backbone, token_counts)
+        buffers["conf_temperature"] = jnp.ones((self.arch.block_size,), jnp.float32)
         return {**params, **init_heads(self.arch, k_heads)}, buffers
 
     def slot_logits(self, params, consts, hidden, prev):
-        bias, _ = markov_bias(params, prev)
+        bias, _ = markov_bias(params, prev, consts.get("d2t"))
         return super().slot_logits(params, consts, hidden, prev) + bias
 
     def slot_loss(self, params, consts, hidden, prev, labels, target_logits):
-        bias, e = markov_bias(params, prev)
+        d2t = consts.get("d2t")
+        bias, e = markov_bias(params, prev, d2t)
         logits = super().slot_logits(params, consts, hidden, prev) + bias
         pd = jax.nn.softmax(logits, axis=-1)
         pt = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
-        ce = T.hard_cross_entropy(logits, labels)
-        l1 = jnp.sum(jnp.abs(pd - pt), axis=-1)
+        ce, hit = self.label_ce(consts, logits, labels)
+        if d2t is None:
+            l1 = jnp.sum(jnp.abs(pd - pt), axis=-1)
+        else:  # p_d is 0 off the draft vocabulary: there |p_d - p_t| is the target mass it leaves out
+            pt_in = jnp.take(pt, d2t, axis=-1)
+            l1 = jnp.sum(jnp.abs(pd - pt_in), axis=-1) + (1.0 - jnp.sum(pt_in, axis=-1))
         y = jax.lax.stop_gradient(1.0 - 0.5 * l1)  # = sum min(p_d, p_t), the expected acceptance
         z = confidence_logit(params, hidden, e)
         bce = jax.nn.softplus(z) - y * z  # binary cross-entropy with a soft label, from the logit
         loss = self.ce_weight * ce + self.l1_weight * l1 + self.bce_weight * bce
         return loss, {"ce": ce, "l1": l1, "bce": bce, "conf": jax.nn.sigmoid(z), "expected_accept": y,
-                      "acc": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
+                      "acc": hit.astype(jnp.float32)}
 
     def calibration_stats(self, params, consts, batch, feats):
         """Confidence logits z, teacher-forced alpha and validity [B, N, G] at a fixed set of anchors."""
         anchors, anchor_ok = dflash.sample_anchors(batch, self.calibration_anchors, jax.random.PRNGKey(0))
         _, ok = dflash.block_labels(batch, anchors, anchor_ok, self.arch.block_size)
         hidden, prev = self.forward(params, consts, batch["tokens"], feats.taps, anchors)
-        bias, e = markov_bias(params, prev)
-        pd = jax.nn.softmax(super().slot_logits(params, consts, hidden, prev) + bias, axis=-1)
-        pt = jax.nn.softmax(self._target_at(feats, anchors).astype(jnp.float32), axis=-1)
-        return confidence_logit(params, hidden, e), jnp.sum(jnp.minimum(pd, pt), -1), ok
+        bias, e = markov_bias(params, prev, consts.get("d2t"))
+        logits = super().slot_logits(params, consts, hidden, prev) + bias
+        alpha, _ = T.acceptance(logits, self._target_at(feats, anchors), consts.get("d2t"))
+        return confidence_logit(params, hidden, e), alpha, ok
 
     def calibrate(self, params, consts, batches_and_feats) -> dict:
         """Buffers with the fitted per-slot temperatures, from held-out (batch, feats) pairs."""
@@ -153,13 +165,14 @@ class DSparkTask(DFlashTask):
 def make_task(target, num_layers: int = 2, taps: list | None = None, block_size: int = 7,
               mask_token_id: int = -1, intermediate_size: int | None = None, num_anchors: int = 16,
               position_decay: float = 4.0, markov_rank: int = 64, ce_weight: float = 0.1, l1_weight: float = 0.9,
-              bce_weight: float = 1.0) -> DSparkTask:
+              bce_weight: float = 1.0, draft_vocab_size: int = 0) -> DSparkTask:
     if markov_rank < 1:
         raise ValueError(f"dspark: markov_rank must be >= 1 (use dflash for no Markov head), got {markov_rank}")
     if num_anchors < 1 or position_decay <= 0:
         raise ValueError(f"dspark: num_anchors must be >= 1 and position_decay > 0, got {num_anchors}, "
                          f"{position_decay}")
-    arch = dflash.build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size, markov_rank)
+    arch = dflash.build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size, markov_rank,
+                             draft_vocab_size)
     return DSparkTask(arch=arch, num_anchors=int(num_anchors), position_decay=float(position_decay),
                       ce_weight=float(ce_weight), l1_weight=float(l1_weight), bce_weight=float(bce_weight),
                       target=target)
@@ -173,8 +186,15 @@ class DSparkDrafter(DFlashDrafter):
             raise ValueError("dspark needs a Markov head (markov_rank >= 1)")
         super().__init__(arch, params, num_draft_tokens, name=name)
 
+    @staticmethod
+    def restrict_vocab(trained, d2t):
+        """The Markov head's W2 cut to the draft vocabulary's columns (once, at load)."""
+        markov = {**trained["markov"], "w2": trained["markov"]["w2"][:, d2t]}
+        return {**trained, "markov": markov}
+
     def draw(self, params, hidden, root, sampling, key):
         k = self.num_draft_tokens
+        d2t, vocab = params.get("d2t"), self.arch.cfg.vocab_size
         heads = params["params"]
         u = self.head_logits(params, hidden)[:, :k]  # [B, k, V]
         temps = params.get("conf_temperature", jnp.ones((self.arch.block_size,), jnp.float32))[:k]
@@ -182,10 +202,11 @@ class DSparkDrafter(DFlashDrafter):
 
         def step(prev, inp):
             u_j, h_j, key_j, temp_j = inp
-            bias, e = markov_bias(heads, prev)
+            bias, e = markov_bias(heads, prev)  # W2 already restricted by `restrict_vocab`
             logits = u_j + bias
-            tok = sample(key_j, logits, sampling)
-            q = jnp.zeros((), jnp.float32) if sampling.greedy else probabilities(logits, sampling)
+            tok = draft_to_target(sample(key_j, logits, sampling), d2t)
+            q = jnp.zeros((), jnp.float32) if sampling.greedy else draft_probs_to_target(
+                probabilities(logits, sampling), d2t, vocab)
             c = jax.nn.sigmoid(confidence_logit(heads, h_j, e) / temp_j)
             return tok, (tok, q, c)
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from drafters import register
 from specdec import trees
-from specdec.drafter import Drafter, PromptInfo, RoundContext
+from specdec.drafter import Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
@@ -219,6 +219,7 @@ class Eagle3Task:
 
     name = NAME
     needs_target_logits = True
+    training_keys = ("ttt_steps", "step_weight")  # may change in a continued run (train.init_from)
     max_eval_steps = None
 
     @property
@@ -237,7 +238,7 @@ class Eagle3Task:
         buffers = {}
         head = target_head(self.target)  # [H, V]
         if self.arch.draft_vocab:
-            d2t = reduced_vocab(token_counts, self.arch.draft_vocab, tcfg.eos_token_ids)
+            d2t = T.reduced_vocab(token_counts, self.arch.draft_vocab, tcfg.eos_token_ids)
             buffers["d2t"] = jnp.asarray(d2t)
             head = head[:, d2t]
         params["lm_head"] = {"kernel": jnp.asarray(head, jnp.float32)}
@@ -298,14 +299,6 @@ def target_head(target) -> np.ndarray:
     return np.asarray(p["embed"]).T if target.cfg.tie_word_embeddings else np.asarray(p["lm_head"])
 
 
-def reduced_vocab(counts: np.ndarray, size: int, always=()) -> np.ndarray:
-    """The `size` most frequent target ids (ties: lower id first), always including `always` (EOS), sorted."""
-    order = np.lexsort((np.arange(len(counts)), -counts))
-    keep = [int(i) for i in always if 0 <= i < len(counts)]
-    keep += [int(i) for i in order if int(i) not in keep][: size - len(keep)]
-    return np.sort(np.asarray(keep, np.int32))
-
-
 @T.register_task(NAME)
 def make_task(target, taps: list | None = None, draft_vocab_size: int = 0, ttt_steps: int = 7,
               step_weight: float = 0.8, intermediate_size: int | None = None) -> Eagle3Task:
@@ -361,7 +354,7 @@ class Eagle3Drafter(Drafter):
         return _apply(self.arch, params["params"], "logits", h)
 
     def _to_target(self, params, ids):
-        return params["d2t"][ids] if "d2t" in params else ids
+        return draft_to_target(ids, params.get("d2t"))
 
     def _draw(self, params, logits, sampling, key):
         """Sample a draft token (target ids) and its distribution over the target vocabulary (None: greedy)."""
@@ -369,9 +362,7 @@ class Eagle3Drafter(Drafter):
         if sampling.greedy:
             return tok, None
         q = probabilities(logits, sampling)
-        if "d2t" in params:
-            q = jnp.zeros(q.shape[:-1] + (self.arch.cfg.vocab_size,), q.dtype).at[..., params["d2t"]].set(q)
-        return tok, q
+        return tok, draft_probs_to_target(q, params.get("d2t"), self.arch.cfg.vocab_size)
 
     def init(self, params, prompt: PromptInfo, capacity: int):
         b, t = prompt.tokens.shape

@@ -95,6 +95,7 @@ class MedusaTask:
 
     name = NAME
     needs_target_logits = False  # CE on the target's own tokens; the eval still compares with its logits
+    training_keys = ("head_weight",)  # may change in a continued run (train.init_from)
 
     @property
     def taps(self) -> tuple[int, ...]:

@@ -100,3 +100,21 @@ class Drafter:
     def describe(self) -> dict:
         """Settings that identify this drafter in results tables."""
         return {"drafter": self.name, "num_draft_tokens": self.num_draft_tokens}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reduced draft vocabularies (FR-Spec): a drafter whose head covers only the ids d2t [Vd] of the target's
+# vocabulary samples in draft ids; the engine sees target ids and distributions over the full vocabulary.
+# ---------------------------------------------------------------------------------------------------------
+
+def draft_to_target(ids: jax.Array, d2t: jax.Array | None) -> jax.Array:
+    """Draft-vocabulary ids -> target ids (no map: unchanged)."""
+    return ids if d2t is None else d2t[ids]
+
+
+def draft_probs_to_target(q: jax.Array, d2t: jax.Array | None, vocab_size: int) -> jax.Array:
+    """A distribution [..., Vd] over draft ids as one over the target's vocabulary [..., V] (0 off d2t): the q
+    that rejection sampling needs, so verification stays lossless whatever the draft vocabulary."""
+    if d2t is None:
+        return q
+    return jax.numpy.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., d2t].set(q)

@@ -202,10 +202,12 @@ def test_greedy_speculative_equals_ar(target, setup, policy):
 def test_sampled_output_is_target_distribution():
     """tests/test_engine.py's distribution check (joint law of the first 3 tokens vs exact enumeration,
     chi-square at 1e-3) with DFlash drafts sampled in parallel at temperature > 0, verified as a chain by the
-    multi-draft tree policy, under the threshold scheduler fed by DFlash's context-only confidence."""
+    multi-draft tree policy, under the threshold scheduler fed by DFlash's context-only confidence, from a reduced
+    draft vocabulary (5 of the 8 ids: the target's other 3 can only come from the residual)."""
     small = distribution_target()
-    task = dflash.make_task(small, num_layers=1, block_size=3, taps=[1])
-    params, buffers = task.init(jax.random.PRNGKey(0), None)
+    task = dflash.make_task(small, num_layers=1, block_size=3, taps=[1], draft_vocab_size=5)
+    params, buffers = task.init(jax.random.PRNGKey(0), np.array([9, 1, 8, 2, 7, 3, 6, 5]))
+    np.testing.assert_array_equal(buffers["d2t"], [0, 2, 4, 6, 7])
     drafter = dflash.DFlashDrafter.from_trained(task.arch, noisy(params, 2, 0.3), buffers, small, 3)
     out = speculative_generate(small, drafter, [PROMPT] * NUM_SAMPLES, policy="multidraft_tree", max_new_tokens=3,
                                sampling=SAMPLING, seed=7, scheduler=Scheduler("threshold", threshold=0.2))

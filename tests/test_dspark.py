@@ -22,6 +22,7 @@ from specdec.sampling import SamplingParams
 from specdec.target import Target, random_target
 from specdec.train.data import DistillData
 from specdec.train.loop import train
+from specdec.train import tasks as T
 from specdec.train.tasks import make_task
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "train"
@@ -61,6 +62,50 @@ def test_zeroed_markov_head_equals_dflash():
     spark2 = dspark.DSparkDrafter.from_trained(task.arch, params, buffers, target, G)
     _, q2, _ = draw(spark2, spark2.params, hidden, root, sampling, jax.random.PRNGKey(2))
     assert not np.allclose(q2, qf, atol=1e-3)
+
+
+def test_reduced_draft_vocabulary_trains_and_drafts_the_same_distribution():
+    """draft_vocab_size (FR-Spec): d2t holds the most frequent ids (and EOS); the drafter proposes only them, its q
+    over the target vocabulary is 0 elsewhere and sums to 1, each slot's q is the training path's distribution
+    (Markov head included, previous token = the drafted one); the loss's L1 and expected acceptance equal the
+    full-vocabulary ones with p_d scattered to the target vocabulary; and CE skips labels it cannot draft. (The
+    engine with a reduced vocabulary: tests/test_dflash.py's distribution test.)"""
+    target = random_target(tiny_config(), seed=3, scale=0.35)
+    vocab, eos = target.cfg.vocab_size, target.cfg.eos_token_ids
+    counts = np.random.default_rng(0).integers(0, 1000, vocab)
+    task = dspark.make_task(target, num_layers=1, block_size=G, markov_rank=8, draft_vocab_size=40)
+    params, buffers = task.init(jax.random.PRNGKey(0), counts)
+    d2t = np.asarray(buffers["d2t"])
+    np.testing.assert_array_equal(d2t, T.reduced_vocab(counts, 40, eos))
+    assert len(d2t) == 40 and set(eos) <= set(d2t.tolist())
+    rng = np.random.default_rng(1)
+    params["markov"]["w2"] = jnp.asarray(rng.standard_normal(params["markov"]["w2"].shape), jnp.float32)
+    drafter = dspark.DSparkDrafter.from_trained(task.arch, params, buffers, target, G)
+    consts = {**task.frozen(target), **buffers}
+
+    hidden = jnp.asarray(rng.standard_normal((3, G, target.cfg.hidden_size)), jnp.float32)
+    root = jnp.asarray([5, 9, 3])
+    tokens, q, _ = draw(drafter, drafter.params, hidden, root, SamplingParams(temperature=1.0), jax.random.PRNGKey(2))
+    tokens, q = np.asarray(tokens), np.asarray(q)
+    assert set(tokens.ravel().tolist()) <= set(d2t.tolist()) and q.shape == (3, G, vocab)
+    off = np.setdiff1d(np.arange(vocab), d2t)
+    assert not q[..., off].any()
+    np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
+    prev = np.concatenate([np.asarray(root)[:, None], tokens[:, :-1]], axis=1)  # slot j's previous token
+    train_q = jax.nn.softmax(task.slot_logits(params, consts, hidden, jnp.asarray(prev)), axis=-1)
+    np.testing.assert_allclose(q[..., d2t], train_q, rtol=1e-5, atol=1e-6)
+
+    labels = jnp.asarray(np.stack([d2t[:G], off[:G], d2t[-G:]]))  # the middle row: labels it cannot draft
+    tl = jnp.asarray(rng.standard_normal((3, G, vocab)), jnp.float32)
+    _, parts = task.slot_loss(params, consts, hidden, jnp.asarray(prev), labels, tl)
+    pd = np.zeros((3, G, vocab), np.float32)
+    pd[..., d2t] = train_q
+    pt = np.asarray(jax.nn.softmax(tl, axis=-1))
+    np.testing.assert_allclose(parts["l1"], np.abs(pd - pt).sum(-1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(parts["expected_accept"], np.minimum(pd, pt).sum(-1), rtol=1e-5, atol=1e-6)
+    want_ce = -np.log(np.take_along_axis(pd, np.asarray(labels)[..., None], -1)[..., 0])
+    np.testing.assert_allclose(parts["ce"], np.where(np.isin(np.asarray(labels), d2t), want_ce, 0.0), rtol=1e-5)
+    assert not np.asarray(parts["ce"])[1].any()
 
 
 def test_sequential_temperature_scaling_recovers_known_temperatures():

@@ -176,7 +176,7 @@ def test_loss_labels_match_inference_path(target):
 
 def test_reduced_vocab_keeps_most_frequent_and_eos():
     counts = np.array([5, 0, 0, 9, 1, 7, 7, 2])
-    np.testing.assert_array_equal(eagle3.reduced_vocab(counts, 4, always=(2,)), [2, 3, 5, 6])
+    np.testing.assert_array_equal(T.reduced_vocab(counts, 4, always=(2,)), [2, 3, 5, 6])
 
 
 def test_default_taps_follow_eagle3():

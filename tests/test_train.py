@@ -29,7 +29,7 @@ from specdec.target import Target
 from specdec.train import checkpoint as ckpt
 from specdec.train import data as D
 from specdec.train.features import build_feature_cache, cached_features, online_features
-from specdec.train.loop import TrainingDiverged, train
+from specdec.train.loop import TrainingDiverged, initial_weights, train
 from specdec.train.tasks import make_task
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny.yaml")
@@ -193,6 +193,12 @@ def test_init_from_a_trained_drafter_starts_from_its_weights(work, data_dir, tar
     gone = dataclasses.replace(tcfg, init_from=str(work / "runs" / "no_such_drafter"))
     assert train(task, target, data, gone, work / "runs" / "medusa_continued", progress=False, eval_draft_len=3,
                  log=lambda s: None)["resumed_from"] == 1
+    # a training-only key (the loss weighting) may change; the weights still come from the source
+    reweighted = make_task("medusa", target, {**cfg.train.drafter_options, "head_weight": 0.5})
+    fresh_params, fresh_buffers = reweighted.init(jax.random.PRNGKey(9), data.token_counts(target.cfg.vocab_size))
+    params, _ = initial_weights(str(reference), reweighted, target, fresh_params, fresh_buffers)
+    for key, value in ckpt.flatten(ckpt.load_drafter(reference)["params"]).items():
+        np.testing.assert_array_equal(ckpt.flatten(params)[key], value, err_msg=key)
     other = make_task("medusa", target, {**cfg.train.drafter_options, "num_heads": 2})
     with pytest.raises(ckpt.CheckpointError, match="init_from .*differs from this run's in num_heads"):
         train(other, target, data, tcfg, work / "runs" / "medusa_other", progress=False, log=lambda s: None)

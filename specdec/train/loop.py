@@ -182,12 +182,15 @@ def calibrate(task, spec: StepSpec, state: dict, consts, target, eval_idx, batch
 
 def initial_weights(path: str, task, target, params, buffers) -> tuple[Any, Any]:
     """The params and buffers of the trained drafter at `path`, checked against a fresh init of this task (same
-    drafter, target, architecture config and array shapes), in the fresh init's dtypes."""
+    drafter, target, architecture config and array shapes), in the fresh init's dtypes. The task's
+    `training_keys` (loss weights, anchors per sequence, ...) may differ; a buffer the source lacks (e.g. a d2t
+    map of a draft vocabulary it did not use) comes from the fresh init."""
     info = ckpt_lib.load_drafter(path, expect_name=task.name)
     ckpt_lib.check_target(info, target, f"train.init_from {path}")
     mine = task.config()
     theirs = info["config"]
-    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    free = set(getattr(task, "training_keys", ()))
+    differ = sorted(k for k in set(mine) | set(theirs) if k not in free and mine.get(k) != theirs.get(k))
     if differ:
         there = ", ".join(f"{k}={theirs.get(k)!r}" for k in differ)
         raise ckpt_lib.CheckpointError(f"train.init_from {path}: its drafter config differs from this run's in "
@@ -204,7 +207,10 @@ def initial_weights(path: str, task, target, params, buffers) -> tuple[Any, Any]
         return jax.tree.map(lambda f, x: jnp.asarray(x, dtype=jnp.asarray(f).dtype), fresh,
                             ckpt_lib.unflatten(flat_loaded) if flat_loaded else fresh)
 
-    return same_shapes(params, info["params"], "parameters"), same_shapes(buffers, info["buffers"], "buffers")
+    theirs_buffers = {k: v for k, v in (info["buffers"] or {}).items() if k in buffers}
+    mine_only = {k: v for k, v in buffers.items() if k not in theirs_buffers}
+    kept = same_shapes({k: v for k, v in buffers.items() if k in theirs_buffers}, theirs_buffers, "buffers")
+    return same_shapes(params, info["params"], "parameters"), {**kept, **mine_only}
 
 
 def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=None, progress: bool = True,

@@ -130,6 +130,26 @@ def acceptance(draft_logits: jax.Array, target_logits: jax.Array, d2t: jax.Array
     return alpha, d_top == jnp.argmax(target_logits, axis=-1)
 
 
+def reduced_vocab(counts, size: int, always=()):
+    """The `size` most frequent target ids (ties: lower id first, which for a BPE vocabulary favours the earlier,
+    more frequent merges), always including `always` (EOS), sorted: the d2t map of a reduced draft vocabulary
+    (FR-Spec; METHODS.md)."""
+    import numpy as np
+
+    counts = np.asarray(counts)
+    order = np.lexsort((np.arange(len(counts)), -counts))
+    keep = [int(i) for i in always if 0 <= i < len(counts)]
+    keep += [int(i) for i in order if int(i) not in keep][: size - len(keep)]
+    return np.sort(np.asarray(keep, np.int32))
+
+
+def to_draft_ids(labels: jax.Array, d2t: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """Target ids -> (draft ids, in the draft vocabulary) for a d2t map [Vd] (out-of-vocabulary ids map to 0)."""
+    t2d = jnp.full((vocab_size,), -1, jnp.int32).at[d2t].set(jnp.arange(d2t.shape[0], dtype=jnp.int32))
+    ids = t2d[labels]
+    return jnp.maximum(ids, 0), ids >= 0
+
+
 def slot_valid(batch: dict, num_steps: int, min_slot: int = 1) -> jax.Array:
     """bool [B, T]: all `num_steps` labels of root slot j are valid (the slots the eval averages over)."""
     ok = label_valid(batch, num_steps - 1, min_slot)  # the last label valid => the earlier ones are inside too
