@@ -226,3 +226,5 @@ def test_bad_input(target, setup):
         dflash.make_dflash(target, 3)
     with pytest.raises(ValueError, match="mask_token_id"):
         dflash.make_task(target, mask_token_id=10_000)
+    with pytest.raises(ValueError, match="draft_vocab_size must be in"):
+        dflash.make_task(target, draft_vocab_size=10_000)
