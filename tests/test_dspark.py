@@ -191,7 +191,8 @@ def toy_runs(tmp_path_factory):
                       checkpoint_every=10_000, eval_every=10_000, log_every=10_000, eval_examples=8)
     opts = {"num_layers": 1, "block_size": BLOCK, "taps": [1], "num_anchors": 12}
     runs = {}
-    for name, extra in (("dflash", {}), ("dspark", {"markov_rank": 8})):
+    # DSpark drafts from the 16 most frequent of the 32 ids (a reduced vocabulary through training and export)
+    for name, extra in (("dflash", {}), ("dspark", {"markov_rank": 8, "draft_vocab_size": 16})):
         module = dflash if name == "dflash" else dspark
         run_dir = tmp_path_factory.mktemp(name)
         summary = train(module.make_task(target, **opts, **extra), target, data, cfg, run_dir, progress=False,
@@ -215,3 +216,6 @@ def test_toy_two_phrases_dspark_tau_at_least_1_5x_dflash(toy_runs):
     # the calibration ran at the end of training and travelled with the checkpoint
     temps = np.asarray(runs["dspark"][1].params["conf_temperature"])
     assert temps.shape == (BLOCK,) and np.all(temps > 0) and not np.all(temps == 1.0)
+    # ... and so did the reduced vocabulary, holding every id the toy language uses
+    spark = runs["dspark"][1].params
+    assert spark["head"].shape == (H, 16) and {MARKER, *PHRASES[0], *PHRASES[1]} <= set(np.asarray(spark["d2t"]).tolist())

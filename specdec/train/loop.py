@@ -400,7 +400,8 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
         if status == "complete":
             final_eval = evaluate(step)
             if hasattr(task, "calibrate") and len(eval_idx):  # e.g. DSpark's confidence temperatures
-                state["buffers"] = calibrate(task, spec, state, consts, target, eval_idx, cfg.batch_size, make_batch)
+                fitted = calibrate(task, spec, state, consts, target, eval_idx, cfg.batch_size, make_batch)
+                state["buffers"] = {**state["buffers"], **fitted}  # the other buffers (a d2t map) stay
                 log(f"calibrated {task.name} on {len(eval_idx)} held-out examples")
         export = ckpt_lib.export_params(run, state["params"], state["buffers"], step)
     finally:
