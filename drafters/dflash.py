@@ -16,10 +16,11 @@ root), g + 1 verified tokens.
 Training (`DFlashTask`, the shared loop): N anchors per sequence sampled inside the response; every block sees
 the context strictly before its own anchor (original positions, not block ids) and its own slots, never another
 block; CE against the target-generated tokens weighted exp(-j / decay), the loss mask read at the LABEL position
-and multiplied cumulatively along the block. With a reduced draft vocabulary (FR-Spec, METHODS.md: the lm_head
-is ~20% of SmolLM2's weights and dominates a block's memory traffic) the drafter can only propose the d2t ids;
-a label outside them adds no CE (it cannot be drafted) and p_d is 0 there. The training forward and the inference forward are the same
+and multiplied cumulatively along the block. The training forward and the inference forward are the same
 function (`block_forward`) with different anchors/visibility, which `tests/test_dflash.py` checks numerically.
+With a reduced draft vocabulary (FR-Spec, METHODS.md: the lm_head is ~20% of SmolLM2's weights and dominates a
+block's memory traffic) the drafter proposes only the d2t ids, p_d is 0 elsewhere, and a label outside them
+adds no CE (it cannot be drafted).
 
 Inference (`DFlashDrafter`): the draft keeps a K/V cache of context positions only (`transformer.init_cache` /
 `write_rows`, per draft layer); each round runs ONE block forward at the root, and `update` appends the
