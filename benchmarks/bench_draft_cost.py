@@ -1,6 +1,7 @@
 """Draft cost per round of trained drafters, next to the target's verify step, in one run.
 
-For each drafter (name=path[:k], e.g. dspark=runs/train/dspark:7) and batch size: the engine's jitted `propose`
+For each drafter (label=path[:k], e.g. dspark=runs/train/dspark:7; the drafter kind is read from the run's
+drafter.json, so the label is free: dspark_8k=runs/train/dspark_v8k:7) and batch size: the engine's jitted `propose`
 (one drafting round: DFlash/DSpark one block forward + lm_head (+ DSpark's sequential Markov sampling);
 EAGLE-3 k sequential draft-layer steps) and the target's verify forward on k + 1 tokens per row, both after a
 real prompt's prefill, median of --reps timed calls after a compile call. Also the drafter's parameter count.
@@ -13,6 +14,7 @@ Greedy sampling; the drafter state is not advanced between calls (every call dra
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -28,6 +30,7 @@ from drafters import create_drafter  # noqa: E402
 from specdec import engine  # noqa: E402
 from specdec.generate import cache_capacity, pad_prompts  # noqa: E402
 from specdec.sampling import GREEDY  # noqa: E402
+from specdec.train.checkpoint import DRAFTER_FILE  # noqa: E402
 from specdec.target import load_target  # noqa: E402
 from specdec.verify import get_policy  # noqa: E402
 
@@ -58,7 +61,7 @@ def round_costs(target, drafter, prompts, reps: int) -> dict:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("drafters", nargs="+", help="name=path[:k]")
+    ap.add_argument("drafters", nargs="+", help="label=path[:k] (the kind comes from path/drafter.json)")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reps", type=int, default=10)
@@ -70,7 +73,8 @@ def main(argv=None) -> list[dict]:
     for item in args.drafters:
         name, _, rest = item.partition("=")
         path, _, k = rest.partition(":")
-        drafter = create_drafter(name, target, int(k or 5), path=path)
+        kind = json.loads((Path(path) / DRAFTER_FILE).read_text())["drafter"]
+        drafter = create_drafter(kind, target, int(k or 5), path=path)
         for batch in args.batches:
             prompts = [target.tokenizer.encode_chat(t) for t in texts[:batch]]
             r = {"drafter": name, "k": drafter.num_draft_tokens, "batch": batch, **round_costs(target, drafter,
