@@ -101,7 +101,8 @@ class DSparkTask(DFlashTask):
 
     name = NAME
     needs_target_logits = True
-    training_keys = DFlashTask.training_keys + ("ce_weight", "l1_weight", "bce_weight")  # may change in a continued run (train.init_from)
+    # may change in a continued run (train.init_from)
+    training_keys = DFlashTask.training_keys + ("ce_weight", "l1_weight", "bce_weight")
 
     def config(self) -> dict:
         return {**super().config(), "markov_rank": self.arch.markov_rank, "ce_weight": self.ce_weight,
@@ -196,7 +197,7 @@ class DSparkDrafter(DFlashDrafter):
         k = self.num_draft_tokens
         d2t, vocab = params.get("d2t"), self.arch.cfg.vocab_size
         heads = params["params"]
-        u = self.head_logits(params, hidden)[:, :k]  # [B, k, V]
+        u = self.head_logits(params, hidden)[:, :k]  # [B, k, Vd]
         temps = params.get("conf_temperature", jnp.ones((self.arch.block_size,), jnp.float32))[:k]
         keys = jax.random.split(key, k)
 

@@ -26,6 +26,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from specdec.sampling import SamplingParams
 
@@ -117,4 +118,4 @@ def draft_probs_to_target(q: jax.Array, d2t: jax.Array | None, vocab_size: int) 
     that rejection sampling needs, so verification stays lossless whatever the draft vocabulary."""
     if d2t is None:
         return q
-    return jax.numpy.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., d2t].set(q)
+    return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., d2t].set(q)
