@@ -197,8 +197,9 @@ def test_init_from_a_trained_drafter_starts_from_its_weights(work, data_dir, tar
     reweighted = make_task("medusa", target, {**cfg.train.drafter_options, "head_weight": 0.5})
     fresh_params, fresh_buffers = reweighted.init(jax.random.PRNGKey(9), data.token_counts(target.cfg.vocab_size))
     params, _ = initial_weights(str(reference), reweighted, target, fresh_params, fresh_buffers)
+    loaded = ckpt.flatten(params)
     for key, value in ckpt.flatten(ckpt.load_drafter(reference)["params"]).items():
-        np.testing.assert_array_equal(ckpt.flatten(params)[key], value, err_msg=key)
+        np.testing.assert_array_equal(loaded[key], value, err_msg=key)
     other = make_task("medusa", target, {**cfg.train.drafter_options, "num_heads": 2})
     with pytest.raises(ckpt.CheckpointError, match="init_from .*differs from this run's in num_heads"):
         train(other, target, data, tcfg, work / "runs" / "medusa_other", progress=False, log=lambda s: None)

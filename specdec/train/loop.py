@@ -207,10 +207,10 @@ def initial_weights(path: str, task, target, params, buffers) -> tuple[Any, Any]
         return jax.tree.map(lambda f, x: jnp.asarray(x, dtype=jnp.asarray(f).dtype), fresh,
                             ckpt_lib.unflatten(flat_loaded) if flat_loaded else fresh)
 
-    theirs_buffers = {k: v for k, v in (info["buffers"] or {}).items() if k in buffers}
-    mine_only = {k: v for k, v in buffers.items() if k not in theirs_buffers}
-    kept = same_shapes({k: v for k, v in buffers.items() if k in theirs_buffers}, theirs_buffers, "buffers")
-    return same_shapes(params, info["params"], "parameters"), {**kept, **mine_only}
+    their_buffers = info["buffers"] or {}
+    shared = {k: v for k, v in buffers.items() if k in their_buffers}  # the rest keep their fresh values
+    loaded = same_shapes(shared, {k: their_buffers[k] for k in shared}, "buffers")
+    return same_shapes(params, info["params"], "parameters"), {**buffers, **loaded}
 
 
 def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=None, progress: bool = True,
