@@ -26,6 +26,7 @@ from specdec.verify import Draft
 class DraftLMDrafter(Drafter):
     kind = "chain"
     jittable = True
+    skippable = False  # propose catches up on the committed tokens (at most N + 1 of them): draft every round
 
     def __init__(self, cfg: ModelConfig, params, num_draft_tokens: int, name: str = "draft_lm"):
         self.cfg, self.name, self.num_draft_tokens = cfg, name, num_draft_tokens

@@ -322,6 +322,7 @@ class Eagle3State:
 class Eagle3Drafter(Drafter):
     kind = "chain"
     jittable = True
+    skippable = False  # propose catches up on the committed tokens (at most N + 1 of them): draft every round
 
     def __init__(self, arch: Eagle3Arch, params, num_draft_tokens: int, name: str = NAME):
         self.arch, self.num_draft_tokens, self.name = arch, num_draft_tokens, name

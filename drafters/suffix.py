@@ -39,6 +39,8 @@ microseconds per row (see tests/test_suffix.py).
 
 from __future__ import annotations
 
+import contextlib
+
 import heapq
 from typing import Iterable, Sequence
 
@@ -198,6 +200,7 @@ class SuffixDrafter(Drafter):
         self.num_draft_tokens = num_draft_tokens
         self.max_match, self.max_depth = int(max_match), int(max_depth)
         self.min_score, self.use_global = float(min_score), bool(use_global)
+        self._learning = True  # False while the engine times throwaway rounds (`profiling`)
         self.global_index = SuffixIndex(self.max_match + self.max_depth)
         self._rows: list[_Row] = []
         self.last_scores: np.ndarray | None = None  # [B, N] cumulative scores of the last draft (0 = invalid)
@@ -272,9 +275,17 @@ class SuffixDrafter(Drafter):
             if done[b] and not row.finished:
                 row.finished = True
                 output = seq[b, row.prompt_len: int(seq_len[b])].tolist()
-                if self.use_global and len(output) >= MIN_DOCUMENT_TOKENS:
+                if self.use_global and self._learning and len(output) >= MIN_DOCUMENT_TOKENS:
                     self.observe(output)
         return state
+
+    @contextlib.contextmanager
+    def profiling(self):
+        self._learning = False
+        try:
+            yield
+        finally:
+            self._learning = True
 
     def describe(self):
         return {**super().describe(), "max_match": self.max_match, "max_depth": self.max_depth,

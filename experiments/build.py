@@ -157,12 +157,13 @@ def drafter_label(drafter, params: dict) -> str:
 
 
 def build_scheduler(cfg: ExperimentConfig, target: Target, drafter, log=print):
-    """The verify-length scheduler of `scheduler:` (None for `fixed`). `prefix` profiles the target's verify
+    """The verify-length scheduler of `scheduler:` (None for `fixed`). `adaptive` works with any drafter (the
+    engine measures its round costs, cached). `prefix` profiles the target's verify
     throughput once per backend for token batches up to batch_size x (draft length + 1), cached in
     `scheduler.profile_path` (default: the specdec cache dir)."""
     from specdec.scheduling import make_scheduler
 
-    if cfg.scheduler.kind != "fixed" and not drafter.has_confidence:
+    if cfg.scheduler.kind in ("threshold", "prefix") and not drafter.has_confidence:
         raise ValueError(f"scheduler.kind: {cfg.scheduler.kind!r} needs a drafter with draft confidences "
                          f"(dflash, dspark); {drafter.name!r} has none; use 'fixed'")
     max_tokens = cfg.generation.batch_size * (drafter.num_draft_tokens + 1)

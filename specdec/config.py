@@ -147,14 +147,22 @@ class VerifyConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """`scheduler:` how many of each row's draft tokens the target verifies each round (specdec/scheduling.py;
-    threshold and prefix need a drafter with draft confidences: dflash, dspark)."""
-    kind: Literal["fixed", "threshold", "prefix"] = "fixed"
+    """`scheduler:` how many of each row's draft tokens the target verifies each round. `adaptive` (any drafter,
+    specdec/adaptive.py): the verify width (0 = skip the draft) that maximises expected tokens per second from
+    round costs measured on this machine and each row's acceptance history. `fixed`: every drafted token.
+    threshold and prefix (specdec/scheduling.py) need a drafter with draft confidences: dflash, dspark."""
+    kind: Literal["fixed", "adaptive", "threshold", "prefix"] = "fixed"
     threshold: float = 0.5  # "threshold": verify slot j while the prefix-survival confidence a_j >= this
     profile_path: str | None = None  # "prefix": JSON cache of the measured SPS(token batch) profile
+    decay: float = 0.9  # "adaptive": per-round decay of each row's acceptance history
+    prior: float = 1.0  # "adaptive": the acceptance assumed of a position with no recent history
+    cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
+    reprofile: bool = False  # "adaptive": measure the round costs again even if cached
 
     def __post_init__(self):
         _require(0 <= self.threshold <= 1, "threshold", f"must be in [0, 1], got {self.threshold!r}")
+        _require(0 <= self.decay < 1, "decay", f"must be in [0, 1), got {self.decay!r}")
+        _require(0 < self.prior <= 1, "prior", f"must be in (0, 1], got {self.prior!r}")
 
 
 @dataclasses.dataclass(frozen=True)

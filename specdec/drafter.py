@@ -22,6 +22,7 @@ loop and calls `propose`/`update` with NumPy-convertible arrays.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -62,6 +63,10 @@ class Drafter:
     taps: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads (0 = embeddings)
     params: Any = None  # the array pytree the engine passes back into propose/update (None: no weights)
     has_confidence: bool = False  # True: draft_confidence() feeds the verify-length schedulers (specdec/scheduling.py)
+    # True: a round may skip `propose` (the adaptive verify width's width 0) and still call `update`, i.e. the
+    # state needs no proposal to stay right. False for drafters whose propose catches up on the committed tokens
+    # (draft LMs, EAGLE-3): they draft every round, and a width-0 round verifies none of it.
+    skippable: bool = True
 
     def init(self, params, prompt: PromptInfo, capacity: int) -> Any:
         """Initial drafter state (a pytree) for a batch of prompts. `capacity` bounds sequence length."""
@@ -82,6 +87,11 @@ class Drafter:
         """Fold the round's outcome into the state. `ctx` is the sequence after committing; `result` the
         policy's VerifyResult; `taps` [n_taps, B, N+1, H] target hidden states at [root, nodes] (or None)."""
         return state
+
+    def profiling(self):
+        """A context in which the engine runs throwaway rounds on random prompts to time them (the adaptive
+        width's cost measurement); a drafter that learns across requests (suffix) must not learn from those."""
+        return contextlib.nullcontext()
 
     # Drafters are static arguments of the compiled loop. A pure-JAX drafter is identified by its settings
     # (its weights travel separately in `params`), so two equal drafters share one compiled program; a drafter

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec import trees
+from specdec.adaptive import AdaptiveWidth, load_or_measure_round_costs, measure_round_costs, cost_key
 from specdec.drafter import Drafter, PromptInfo, RoundContext
 from specdec.generate import cache_capacity, check_fits, context_limit, pad_prompts, prefill
 from specdec.metrics import DecodeMetrics
@@ -51,6 +52,7 @@ class LoopState:
     proposed: jax.Array  # int32 [B] valid draft tokens proposed
     position_proposed: jax.Array  # int32 [N] row-rounds with a valid draft node at position/depth j+1
     position_accepted: jax.Array  # int32 [N] row-rounds that accepted position/depth j+1
+    sched: Any = None  # the adaptive verify width's state (specdec.adaptive.AdaptiveState), else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,7 @@ class LoopSpec:
     policy: Any
     sampling: SamplingParams
     eos_ids: tuple[int, ...]
-    scheduler: Any = None  # specdec.scheduling.Scheduler, or None: verify every drafted token
+    scheduler: Any = None  # scheduling.Scheduler or adaptive.AdaptiveWidth; None: verify every drafted token
     # Draft-node counts the verify step may run, ascending and ending at N (`bucket_widths`); () = always all N.
     verify_widths: tuple[int, ...] = ()
 
@@ -79,10 +81,70 @@ def _context(state: LoopState) -> RoundContext:
 
 def propose(spec: LoopSpec, dparams, state: LoopState):
     key, sub = jax.random.split(state.key)
+    if isinstance(spec.scheduler, AdaptiveWidth):
+        return propose_adaptive(spec, dparams, dataclasses.replace(state, key=key), sub)
     draft, dstate = spec.drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, sub)
     if spec.scheduler is not None:  # per-row verify lengths: nodes past them become invalid
         draft = spec.scheduler.apply(draft, spec.drafter.draft_confidence(dstate), ~state.done)
     return draft, dataclasses.replace(state, drafter_state=dstate, key=key)
+
+
+def empty_draft(like: Draft) -> Draft:
+    """A draft of `like`'s shapes that proposes nothing (a skipped draft): all nodes invalid."""
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+    n = like.tokens.shape[1]
+    parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, like.tokens.shape)
+    return dataclasses.replace(zeros, parents=parents, valid=jnp.zeros(like.tokens.shape, bool))
+
+
+def adaptive_plan(spec: LoopSpec, state: LoopState, look: bool) -> jax.Array:
+    return spec.scheduler.plan(state.sched, spec.verify_widths, ~state.done, spec.drafter.kind == "tree", look)
+
+
+def adaptive_refine(spec: LoopSpec, state: LoopState, draft: Draft, planned, drafted) -> tuple[Draft, LoopState]:
+    # The draft's lengths may steer the width under greedy decoding, and when sampling only if the draft is
+    # deterministic (probs=None: a function of the committed context, never of this round's random draws).
+    look = spec.sampling.greedy or draft.probs is None
+    draft, sched = spec.scheduler.refine(state.sched, draft, planned, drafted, spec.verify_widths, ~state.done,
+                                         look, spec.drafter.kind == "tree")
+    return draft, dataclasses.replace(state, sched=sched)
+
+
+_jit_plan = jax.jit(adaptive_plan, static_argnames=("spec", "look"))
+_jit_refine = jax.jit(adaptive_refine, static_argnames=("spec",))
+
+
+def propose_adaptive(spec: LoopSpec, dparams, state: LoopState, key) -> tuple[Draft, LoopState]:
+    """Step 1 under the adaptive verify width (specdec/adaptive.py): plan the width from the rows' history, draft
+    only if it is > 0 (and the drafter may skip), then cut the draft to the width that pays."""
+    drafter = spec.drafter
+
+    def run():
+        return drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, key)
+
+    if not drafter.jittable:  # host-stepped loop: decide on the host, call the drafter only when it drafts
+        planned = _jit_plan(spec, state, spec.sampling.greedy)  # whether its drafts are sampled is not known yet
+        drafted = (not drafter.skippable) or spec.verify_widths[int(planned)] > 0
+        if drafted:
+            draft, dstate = run()
+        else:  # nothing proposed (a deterministic-looking empty draft: its probs are never read)
+            batch = state.seq.shape[0]
+            draft = Draft.chain(jnp.zeros((batch, drafter.num_draft_tokens), jnp.int32),
+                                valid=jnp.zeros((batch, drafter.num_draft_tokens), bool))
+            dstate = state.drafter_state
+        return _jit_refine(spec, dataclasses.replace(state, drafter_state=dstate), draft, planned,
+                           jnp.asarray(drafted))
+    shapes = jax.eval_shape(run)
+    planned = adaptive_plan(spec, state, spec.sampling.greedy or shapes[0].probs is None)
+    if drafter.skippable:
+        drafted = jnp.asarray(spec.verify_widths)[planned] > 0
+        # the skip branch keeps the drafter's state (cast to the dtypes `propose` returns, as cond requires)
+        kept = jax.tree.map(lambda s, x: jnp.asarray(x, s.dtype), shapes[1], state.drafter_state)
+        draft, dstate = jax.lax.cond(drafted, run, lambda: (empty_draft(shapes[0]), kept))
+    else:
+        drafted = jnp.asarray(True)
+        draft, dstate = run()
+    return adaptive_refine(spec, dataclasses.replace(state, drafter_state=dstate), draft, planned, drafted)
 
 
 def bucket_widths(num_draft_tokens: int, buckets) -> tuple[int, ...]:
@@ -164,6 +226,9 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
     commit = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, commit)
     commit = jnp.minimum(commit, state.limit - state.num_new)
     active = ~state.done
+    if isinstance(spec.scheduler, AdaptiveWidth):
+        state = dataclasses.replace(state, sched=spec.scheduler.observe(state.sched, draft, result.num_accepted,
+                                                                        active))
     commit = jnp.where(active, commit, 0)
     seq = write_tokens(state.seq, jnp.where(slot < commit[:, None], result.tokens, 0), state.seq_len)
     seq_len = state.seq_len + commit
@@ -242,7 +307,9 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     `scheduler` (a `specdec.scheduling.Scheduler`) chooses each row's verify length per round from the drafter's
     `draft_confidence`; None verifies every drafted token. `verify_buckets` ("auto" or draft-node counts, see
     `bucket_widths`) lets a round whose rows all verify few nodes (a short schedule, an n-gram miss) run a
-    narrower target step; None runs all N + 1 positions every round.
+    narrower target step; None runs all N + 1 positions every round. A `specdec.adaptive.AdaptiveWidth`
+    scheduler picks each round's verify width (0 = skip the draft) from measured round costs and the rows'
+    acceptance history; it always runs the buckets ("auto" unless given) plus width 0.
 
     `on_round(draft, confidence, result, active)` (host-stepped loop only) is called after every round with the
     verified draft, the drafter's `draft_confidence` (None without one), the VerifyResult and the rows that were
@@ -267,7 +334,10 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     prompts = [list(p) for p in prompts]
     n = drafter.num_draft_tokens
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
+    adaptive = isinstance(scheduler, AdaptiveWidth)
     widths = bucket_widths(n, verify_buckets)
+    if adaptive:  # width 0 (a plain decode step) is always a choice
+        widths = tuple(sorted({0, *(widths or bucket_widths(n, "auto"))}))
     if scheduler is not None and scheduler.kind == "prefix" and widths:
         scheduler = dataclasses.replace(scheduler, verify_widths=widths)  # cost = the widths this loop runs
     spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
@@ -275,13 +345,53 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     tokens, lengths = pad_prompts(prompts, pad)
     capacity = cache_capacity(lengths, max_new_tokens, extra=n + 1)
+    sched = None
+    if adaptive:
+        sched = scheduler.init_state(len(tokens), n, (np.ones(len(widths)), 0.0))
     if warmup:
-        _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled)
-    return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round)
+        _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=sched)
+    if adaptive:
+        costs = round_costs(spec, target, drafter, tokens, lengths, capacity, compiled, policy)
+        sched = scheduler.init_state(len(tokens), n, costs)
+    return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round,
+                sched_state=sched)
+
+
+PROFILE_ROUNDS = 16  # loop iterations per forced width when measuring round costs
+
+
+def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, lengths, capacity: int, compiled: bool,
+                policy: str):
+    """The adaptive width's round costs for this loop (cached per machine, model, drafter, batch and capacity;
+    measured on first use by running this very loop with each width forced, on random prompts of the same
+    shapes, so the compiled programs are the ones the real run uses)."""
+    sched: AdaptiveWidth = spec.scheduler
+    if sched.costs is not None:
+        if len(sched.costs[0]) != len(spec.verify_widths):
+            raise ValueError(f"adaptive costs give {len(sched.costs[0])} round costs, but this loop's verify widths "
+                             f"are {list(spec.verify_widths)}: give one cost per width")
+        return tuple(sched.costs[0]), float(sched.costs[1])
+    eos = set(spec.eos_ids)
+    rng = np.random.default_rng(0)
+    fake = rng.integers(0, target.cfg.vocab_size, size=np.shape(tokens)).astype(np.int32)
+    fake = np.where(np.isin(fake, list(eos)), (fake + 1) % target.cfg.vocab_size, fake)
+
+    def run_forced(plan: int, refine: int) -> float:
+        state = sched.init_state(len(tokens), drafter.num_draft_tokens, (np.ones(len(spec.verify_widths)), 0.0))
+        state = dataclasses.replace(state, force_plan=jnp.asarray(plan, jnp.int32),
+                                    force_refine=jnp.asarray(refine, jnp.int32), force_valid=jnp.asarray(True))
+        with drafter.profiling():
+            out = _run(spec, target, drafter, fake, lengths, capacity, PROFILE_ROUNDS + 1, 0, compiled,
+                       sched_state=state)
+        return out.metrics.decode_seconds / max(sum(out.metrics.width_rounds), 1)
+
+    key = cost_key(target, drafter, policy, spec.sampling, len(tokens), capacity, spec.verify_widths)
+    return load_or_measure_round_costs(key, lambda: measure_round_costs(run_forced, len(spec.verify_widths)),
+                                       sched.cost_path, sched.reprofile, log=lambda msg: None)
 
 
 def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, tokens, lengths, capacity: int,
-          limit, seed: int) -> LoopState:
+          limit, seed: int, sched_state=None) -> LoopState:
     """Prefill the padded prompts into `cache`, sample each row's first token, initialise the drafter: the
     state the loop starts from."""
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
@@ -290,13 +400,14 @@ def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, toke
     first, state = _initial_state(spec, tokens, lengths, logits, cache, jax.random.PRNGKey(seed), limit,
                                   capacity=capacity)
     prompt = PromptInfo(tokens=tokens, lengths=lengths, taps=taps, first_token=first)
-    return dataclasses.replace(state, drafter_state=drafter.init(drafter.params, prompt, capacity))
+    return dataclasses.replace(state, drafter_state=drafter.init(drafter.params, prompt, capacity), sched=sched_state)
 
 
-def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled, on_round=None) -> SpecOutput:
+def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled, on_round=None,
+         sched_state=None) -> SpecOutput:
     cache = target.init_cache(len(tokens), capacity)
     t0 = time.perf_counter()
-    state = start(spec, target, drafter, cache, tokens, lengths, capacity, limit, seed)
+    state = start(spec, target, drafter, cache, tokens, lengths, capacity, limit, seed, sched_state)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
 
@@ -335,4 +446,9 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
         accepted_draft_tokens=int(np.sum(accepted)), proposed_draft_tokens=int(np.sum(proposed)),
         prefill_seconds=t1 - t0, decode_seconds=t2 - t1, draft_seconds=draft_s, verify_seconds=verify_s,
         position_proposed=pos_proposed.tolist(), position_accepted=pos_accepted.tolist(), batch_size=len(tokens))
+    if state.sched is not None:  # the adaptive width's choices and its cost model's prediction of decode_seconds
+        metrics.verify_widths = list(spec.verify_widths)
+        metrics.width_rounds = to_host(state.sched.width_rounds).tolist()
+        metrics.skipped_drafts = int(to_host(state.sched.skipped_drafts))
+        metrics.predicted_seconds = float(to_host(state.sched.predicted_seconds))
     return SpecOutput(tokens=rows, metrics=metrics)

@@ -26,6 +26,12 @@ class DecodeMetrics:
     position_proposed: list[int] = dataclasses.field(default_factory=list)
     position_accepted: list[int] = dataclasses.field(default_factory=list)
     batch_size: int = 1
+    # the adaptive verify width (specdec/adaptive.py): loop iterations per verify width (draft nodes; 0 = a plain
+    # decode step), how many skipped the draft, and the cost model's predicted decode time
+    verify_widths: list[int] = dataclasses.field(default_factory=list)
+    width_rounds: list[int] = dataclasses.field(default_factory=list)
+    skipped_drafts: int = 0
+    predicted_seconds: float | None = None
 
     @property
     def tau(self) -> float:
@@ -44,6 +50,13 @@ class DecodeMetrics:
     @property
     def time_per_output_token_ms(self) -> float:
         return 1e3 * self.decode_seconds / self.new_tokens if self.new_tokens else float("nan")
+
+    @property
+    def predicted_tokens_per_second(self) -> float:
+        """tok/s the adaptive width's cost model predicts for this run (its chosen widths x measured costs)."""
+        if not self.predicted_seconds:
+            return float("nan")
+        return self.new_tokens / self.predicted_seconds
 
     def acceptance_by_position(self) -> dict[str, list[float]]:
         """survival[j] = P(draft position j accepted); conditional[j] = P(j accepted | j-1 accepted)."""
@@ -70,6 +83,10 @@ class DecodeMetrics:
             "verify_seconds": self.verify_seconds,
             "batch_size": self.batch_size,
         }
+        if self.width_rounds:
+            out.update(verify_widths=self.verify_widths, width_rounds=self.width_rounds,
+                       skipped_drafts=self.skipped_drafts, predicted_seconds=self.predicted_seconds,
+                       predicted_tokens_per_second=self.predicted_tokens_per_second)
         out.update({f"acceptance_{k}": v for k, v in self.acceptance_by_position().items()})
         return out
 
@@ -102,4 +119,16 @@ def merge(metrics: list[DecodeMetrics]) -> DecodeMetrics:
         position_proposed=sum((pad(m.position_proposed) for m in metrics), np.zeros(width, np.int64)).tolist(),
         position_accepted=sum((pad(m.position_accepted) for m in metrics), np.zeros(width, np.int64)).tolist(),
         batch_size=sum(m.batch_size for m in metrics),
+        **_merge_widths(metrics),
     )
+
+
+def _merge_widths(metrics: list[DecodeMetrics]) -> dict:
+    """The adaptive-width fields summed over runs that share one set of verify widths (else left empty)."""
+    widths = {tuple(m.verify_widths) for m in metrics}
+    if len(widths) != 1 or not metrics[0].width_rounds or any(m.predicted_seconds is None for m in metrics):
+        return {}
+    return {"verify_widths": list(metrics[0].verify_widths),
+            "width_rounds": np.sum([m.width_rounds for m in metrics], axis=0).astype(int).tolist(),
+            "skipped_drafts": sum(m.skipped_drafts for m in metrics),
+            "predicted_seconds": float(sum(m.predicted_seconds for m in metrics))}

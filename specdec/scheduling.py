@@ -204,10 +204,15 @@ def load_or_measure_profile(target, max_tokens: int, path: str | os.PathLike | N
 
 
 def make_scheduler(cfg, target=None, max_tokens: int | None = None, log=print) -> Scheduler | None:
-    """A Scheduler from a `specdec.config.SchedulerConfig` (None for `fixed`: the engine's default path).
+    """A Scheduler from a `specdec.config.SchedulerConfig` (None for `fixed`: the engine's default path;
+    `adaptive`: a `specdec.adaptive.AdaptiveWidth`, whose round costs the engine measures for its own loop).
     `prefix` profiles `target` for token batches up to `max_tokens` (batch size x (draft length + 1))."""
     if cfg.kind == "fixed":
         return None
+    if cfg.kind == "adaptive":
+        from specdec.adaptive import AdaptiveWidth
+        return AdaptiveWidth(decay=float(cfg.decay), prior=float(cfg.prior), reprofile=bool(cfg.reprofile),
+                             cost_path=cfg.cost_path)
     if cfg.kind == "threshold":
         return Scheduler("threshold", threshold=float(cfg.threshold))
     if target is None or not max_tokens:

@@ -1,0 +1,280 @@
+"""The adaptive verify width: each round, verify as many draft tokens as pays on this machine, or none.
+
+A round at verify width W (draft nodes run through the target; 0 = a plain one-token decode step that skips
+the draft) costs C(W) seconds on this machine, backend, model, batch size and cache capacity, and commits
+1 + (accepted drafts) tokens per row. The adaptive width picks, every round, the W of the engine's verify
+buckets that maximises the expected committed tokens per second over the active rows:
+
+    Theta(W) = sum_b (1 + sum_{j < W} P_b(position j is drafted and accepted)) / C(W)
+
+Inputs, both known before the target runs:
+- C(W): measured inside the compiled loop itself (`measure_round_costs`: the same program, forced to one width
+  per pass, draft and loop overhead included), cached per machine / model / backend / drafter / batch /
+  capacity in the specdec cache dir (`round_costs.json`), re-measured on request.
+- P_b: per-row running estimates from that row's own history (exponentially decayed counts, so a row's
+  estimates follow its text, and drift back to the prior when unobserved, which makes the loop try the draft
+  again now and then): the conditional acceptance of position j given j-1 was accepted, and how often position
+  j is drafted at all (an n-gram miss drafts nothing).
+
+Two decisions per round:
+1. `plan`, before drafting, from the history alone: if W = 0 wins, the draft is skipped (drafters whose state
+   needs every proposal, `Drafter.skippable = False`, still draft, and verify nothing).
+2. `refine`, after drafting, for deterministic drafts (probs=None: n-gram, suffix, top-k trees) or greedy
+   decoding: the actual draft lengths replace the drafted-rate estimates and the draft's cost is sunk, so W is
+   chosen again (down to 0). For drafts sampled at temperature > 0 the planned W stands.
+
+Why this is lossless: whether draft position j is verified depends only on the past (history counts), the
+machine's costs and, in `refine`, on draft lengths that are deterministic functions of the committed context.
+It never depends on the sampled value of a draft token, so rejection sampling stays exact (the DSpark paper's
+appendix A shows what goes wrong otherwise; specdec/scheduling.py). Under greedy decoding any choice is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec import trees
+
+COST_FILE = "round_costs.json"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AdaptiveState:
+    """Per-row history (decayed counts, float32 [B, N]), the measured costs and the loop's cost accounting."""
+
+    hits: jax.Array  # position j accepted, in rounds where j was verified and j-1 accepted ("reached")
+    reached: jax.Array
+    drafted: jax.Array  # position j drafted (valid), in rounds that drafted
+    drafts: jax.Array  # rounds that drafted ([B, 1])
+    round_cost: jax.Array  # float32 [K] seconds of a round at widths[k] (k = 0: no draft)
+    draft_cost: jax.Array  # float32 [] seconds a draft adds to a round (sunk once drafted)
+    # profiling only (`measure_round_costs`): widths forced by index (-1 = chosen), every node up to W verified
+    force_plan: jax.Array  # int32 []
+    force_refine: jax.Array  # int32 []
+    force_valid: jax.Array  # bool []
+    # what the round being verified did (set by `refine`, read by `observe`)
+    last_drafted_valid: jax.Array  # bool [B, N] the draft's own valid mask, before the width cut
+    last_drafted: jax.Array  # bool []
+    last_width: jax.Array  # int32 [] index of the verify bucket the target step ran
+    # accounting over the whole loop (the cost model's prediction, printed next to the measured time)
+    width_rounds: jax.Array  # int32 [K] loop iterations per verify width
+    skipped_drafts: jax.Array  # int32 [] iterations that skipped the draft
+    predicted_seconds: jax.Array  # float32 []
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveWidth:
+    """Static settings (hashable: part of the compiled loop's identity). Config `scheduler.kind: adaptive`."""
+
+    decay: float = 0.9  # per-round decay of the history counts (memory ~ 1 / (1 - decay) rounds)
+    # Prior acceptance / drafted rate of a position with no recent history, in pseudo-rounds of weight
+    # `prior_weight`. Optimistic (1.0) on purpose: a row's counts decay while the loop skips the draft, so its
+    # estimates climb back to the prior and the loop tries the draft again (~once per 15-20 skipped rounds at
+    # decay 0.9 after a run of rejections) instead of never learning that the text turned copy-heavy.
+    prior: float = 1.0
+    prior_weight: float = 1.0
+    # A draft that costs less than this share of a plain decode step is always made when its lengths may steer
+    # the width (deterministic drafts, greedy decoding): `refine` then decides from the real draft.
+    cheap_draft: float = 0.05
+    reprofile: bool = False  # measure the round costs again even if cached
+    # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
+    # replay a run with another machine's costs, or in tests. None: measure (cached).
+    costs: tuple[tuple[float, ...], float] | None = None
+    cost_path: str | None = None  # JSON cache of measured round costs (default: the specdec cache dir)
+
+    kind = "adaptive"
+    needs_confidence = False
+
+    def __post_init__(self):
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"scheduler.decay must be in [0, 1), got {self.decay!r}")
+        if not 0.0 < self.prior <= 1.0:
+            raise ValueError(f"scheduler.prior must be in (0, 1], got {self.prior!r}")
+        if self.costs is not None:
+            round_cost, draft_cost = self.costs
+            if not round_cost or any(c <= 0 for c in round_cost) or draft_cost < 0:
+                raise ValueError("adaptive costs must be ((seconds per round > 0 at each verify width, ...), "
+                                 f"draft seconds >= 0), got {self.costs!r}")
+        if self.prior_weight <= 0:
+            raise ValueError(f"scheduler.prior_weight must be > 0, got {self.prior_weight!r}")
+
+    # -- state -------------------------------------------------------------------------------------------
+
+    def init_state(self, batch: int, num_nodes: int, costs) -> AdaptiveState:
+        round_cost, draft_cost = costs
+        k = len(round_cost)
+        def zeros():  # a fresh buffer per field: the loop donates its state, and a buffer can be donated once
+            return jnp.zeros((batch, num_nodes), jnp.float32)
+
+        return AdaptiveState(
+            hits=zeros(), reached=zeros(), drafted=zeros(), drafts=jnp.zeros((batch, 1), jnp.float32),
+            round_cost=jnp.asarray(round_cost, jnp.float32), draft_cost=jnp.asarray(draft_cost, jnp.float32),
+            force_plan=jnp.asarray(-1, jnp.int32), force_refine=jnp.asarray(-1, jnp.int32),
+            force_valid=jnp.asarray(False), last_drafted_valid=jnp.zeros((batch, num_nodes), bool),
+            last_drafted=jnp.asarray(False), last_width=jnp.zeros((), jnp.int32),
+            width_rounds=jnp.zeros((k,), jnp.int32), skipped_drafts=jnp.zeros((), jnp.int32),
+            predicted_seconds=jnp.zeros((), jnp.float32))
+
+    def _rate(self, num, den):
+        return (num + self.prior_weight * self.prior) / (den + self.prior_weight)
+
+    def survival(self, st: AdaptiveState) -> jax.Array:
+        """P(positions 1..j all accepted | drafted), from the conditional estimates: [B, N]."""
+        return jnp.cumprod(self._rate(st.hits, st.reached), axis=1)
+
+    # -- decisions ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _best(value: jax.Array, cost: jax.Array, allowed: jax.Array) -> jax.Array:
+        """argmax_k value[k] / cost[k] over allowed widths (ties: the narrower)."""
+        theta = jnp.where(allowed, value / jnp.maximum(cost, 1e-9), -jnp.inf)
+        return jnp.argmax(theta).astype(jnp.int32)
+
+    @staticmethod
+    def _allowed(widths, num_nodes: int, tree: bool) -> jax.Array:
+        w = jnp.asarray(widths)
+        # a tree is verified whole or not at all (its node order is not a priority order)
+        return (w == 0) | (w == num_nodes) if tree else jnp.ones(w.shape, bool)
+
+    def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool,
+             look: bool) -> jax.Array:
+        """Index into `widths` to draft for, from the history alone (0: skip the draft). `look`: `refine` will
+        see the draft's lengths."""
+        n = st.hits.shape[1]
+        gain = self._rate(st.drafted, st.drafts) * self.survival(st)  # [B, N] P(j drafted and accepted)
+        cum = jnp.concatenate([jnp.zeros_like(gain[:, :1]), jnp.cumsum(gain, axis=1)], axis=1)  # [B, N+1]
+        value = jnp.sum(jnp.where(active[:, None], 1.0 + cum[:, jnp.asarray(widths)], 0.0), axis=0)
+        best = self._best(value, st.round_cost, self._allowed(widths, n, tree))
+        if look:
+            best = jnp.where(st.draft_cost <= self.cheap_draft * st.round_cost[0], len(widths) - 1, best)
+        return jnp.where(st.force_plan >= 0, st.force_plan, best)
+
+    def refine(self, st: AdaptiveState, draft, planned: jax.Array, drafted: jax.Array, widths: tuple[int, ...],
+               active: jax.Array, look: bool, tree: bool):
+        """The draft cut to the round's verify width, and the state recording what this round does.
+
+        `drafted`: whether the drafter ran. `look` (static): the draft's lengths may steer the width
+        (deterministic drafts, or greedy decoding)."""
+        n = draft.num_nodes
+        w = jnp.asarray(widths, jnp.int32)
+        valid = jnp.where(st.force_valid, True, draft.valid)
+        k = planned
+        if look:
+            lead = jnp.sum(jnp.cumprod(valid.astype(jnp.int32), axis=1), axis=1)  # drafted prefix length [B]
+            cum = jnp.concatenate([jnp.zeros((valid.shape[0], 1)), jnp.cumsum(self.survival(st), axis=1)], axis=1)
+            if tree:  # a tree's value: the levels it reaches, if verified at all
+                _, depth = trees.tree_attention(draft.parents, valid)
+                lead = jnp.max(jnp.where(valid, depth[:, 1:], 0), axis=1)
+            upto = jnp.minimum(w[None, :], lead[:, None])  # [B, K]
+            value = jnp.sum(jnp.where(active[:, None], 1.0 + jnp.take_along_axis(cum, upto, axis=1), 0.0), axis=0)
+            verify_only = jnp.where(w > 0, st.round_cost - st.draft_cost, st.round_cost)  # the draft is paid
+            k = jnp.where(drafted, self._best(value, verify_only, self._allowed(widths, n, tree)), planned)
+        k = jnp.where(st.force_refine >= 0, st.force_refine, k)
+        keep = valid & (jnp.arange(n)[None, :] < w[k]) & drafted
+        if tree:  # a kept node's ancestors are kept (nodes are topologically sorted, ancestors come first)
+            keep = valid & (w[k] > 0) & drafted
+        last = jnp.max(jnp.where(keep & active[:, None], jnp.arange(1, n + 1)[None, :], 0))
+        ran = jnp.searchsorted(w, last).astype(jnp.int32)  # the bucket the verify step will run
+        cost = jnp.where(drafted, jnp.where(ran > 0, st.round_cost[ran], st.draft_cost + st.round_cost[0]),
+                         st.round_cost[0])
+        any_active = jnp.any(active)
+        st = dataclasses.replace(
+            st, last_drafted_valid=draft.valid & drafted, last_drafted=drafted, last_width=ran,
+            width_rounds=st.width_rounds.at[ran].add(any_active.astype(jnp.int32)),
+            skipped_drafts=st.skipped_drafts + (any_active & ~drafted).astype(jnp.int32),
+            predicted_seconds=st.predicted_seconds + jnp.where(any_active, cost, 0.0))
+        return dataclasses.replace(draft, valid=keep), st
+
+    def observe(self, st: AdaptiveState, draft, num_accepted: jax.Array, active: jax.Array) -> AdaptiveState:
+        """Fold one verified round into each active row's history. `draft` is the draft as verified."""
+        n = draft.num_nodes
+        _, depth = trees.tree_attention(draft.parents, draft.valid)
+        levels = jnp.arange(1, n + 1)[None, :, None]
+        verified = jnp.any(draft.valid[:, None, :] & (depth[:, None, 1:] == levels), axis=2)  # [B, N] by depth
+        _, drafted_depth = trees.tree_attention(draft.parents, st.last_drafted_valid)
+        was_drafted = jnp.any(st.last_drafted_valid[:, None, :] & (drafted_depth[:, None, 1:] == levels), axis=2)
+        pos = jnp.arange(n)[None, :]
+        reached = verified & (pos <= num_accepted[:, None])  # j verified and j-1 accepted
+        hit = reached & (pos < num_accepted[:, None])
+        g = jnp.where(active[:, None], self.decay, 1.0)  # finished rows keep their counts
+        act = active[:, None].astype(jnp.float32)
+        did = (st.last_drafted & active)[:, None].astype(jnp.float32)
+        return dataclasses.replace(
+            st, hits=g * st.hits + act * hit, reached=g * st.reached + act * reached,
+            drafted=g * st.drafted + did * was_drafted, drafts=g[:, :1] * st.drafts + did)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Round costs, measured in the compiled loop (cached)
+# ----------------------------------------------------------------------------------------------------------
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    dev = jax.devices()[0]
+    return f"{dev.platform}:{dev.device_kind}|{cpu}|{os.cpu_count()}cpu"
+
+
+def cost_key(target, drafter, policy: str, sampling, batch: int, capacity: int, widths) -> str:
+    backend = getattr(getattr(target, "backend", None), "name", "?")
+    draft = json.dumps(drafter.describe(), sort_keys=True, default=str)
+    mode = "greedy" if sampling.greedy else "sampled"
+    return (f"{_machine()}|{target.cfg.name}|{backend}|{draft}|{policy}|{mode}|B={batch}|"
+            f"S={-(-capacity // 256) * 256}|W={list(widths)}")
+
+
+def default_cost_path() -> Path:
+    root = os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
+    return Path(root) / COST_FILE
+
+
+def measure_round_costs(run_forced, num_widths: int, repeats: int = 2):
+    """(round_cost [K], draft_cost): seconds per loop iteration with the width forced to each bucket (k = 0:
+    the draft skipped), and what drafting adds to a round (measured as: draft, then verify nothing).
+    `run_forced(plan, refine)` runs the real compiled loop with the plan / refine decisions forced to those
+    bucket indices and returns seconds per iteration; the fastest of `repeats` passes counts (the first pass
+    may include compilation)."""
+    def timed(plan, refine):
+        return min(run_forced(plan, refine) for _ in range(repeats))
+
+    round_cost = [timed(k, k) for k in range(num_widths)]
+    draft_round = timed(num_widths - 1, 0)
+    return [float(c) for c in round_cost], max(float(draft_round - round_cost[0]), 0.0)
+
+
+def load_or_measure_round_costs(key: str, measure, path=None, reprofile: bool = False, log=print):
+    file = Path(path) if path else default_cost_path()
+    table = {}
+    if file.is_file():
+        try:
+            table = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"scheduler.cost_path: {file} is not valid JSON ({e})") from None
+    if reprofile or key not in table:
+        log(f"measuring the cost of a speculative round at each verify width (cached in {file})")
+        t0 = time.perf_counter()
+        round_cost, draft_cost = measure()
+        table[key] = {"round_cost": round_cost, "draft_cost": draft_cost,
+                      "measured_seconds": time.perf_counter() - t0}
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".partial")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, file)
+    entry = table[key]
+    return tuple(entry["round_cost"]), float(entry["draft_cost"])

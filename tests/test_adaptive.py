@@ -1,0 +1,170 @@
+"""The adaptive verify width (specdec/adaptive.py): its decisions on golden cases, greedy equality with AR for
+every kind of drafter (compiled and host-stepped loops, skippable and not, chains and trees) with rounds that
+choose width 0, the sampled output's distribution through the engine, and the measured-once round costs."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from drafters import create_drafter
+from specdec import adaptive, engine
+from specdec.adaptive import AdaptiveWidth
+from specdec.config import SchedulerConfig
+from specdec.engine import speculative_generate
+from specdec.generate import generate
+from specdec.scheduling import make_scheduler
+from specdec.verify import Draft
+from tests.test_engine import (PROMPT, PROMPTS, SAMPLING, distribution_target, exact_joint, fit,
+                               make_target)
+
+# Costs for widths (0, 1, 3, 4) (a 4-node draft with auto buckets) under which both skipping and verifying win,
+# depending on a row's history: rounds of every width are exercised.
+COSTS_4 = ((1.0, 1.25, 1.6, 1.8), 0.2)
+
+
+def state_with(sched, hits, reached, drafted, drafts, costs):
+    st = sched.init_state(len(hits), len(hits[0]), costs)
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    return dataclasses.replace(st, hits=f(hits), reached=f(reached), drafted=f(drafted), drafts=f(drafts))
+
+
+def test_plan_and_refine_golden():
+    """Row 0 always accepts, row 1 never: Theta(W) = sum_b value_b(W) / cost(W), values by hand."""
+    sched = AdaptiveWidth()
+    widths = (0, 1, 3)
+    hits = [[10, 10, 10], [0, 0, 0]]
+    reached = [[10, 10, 10], [10, 0, 0]]
+    drafted = [[10, 10, 10], [10, 10, 10]]
+    drafts = [[10], [10]]
+    active = jnp.asarray([True, True])
+    st = state_with(sched, hits, reached, drafted, drafts, ((1.0, 1.2, 1.5), 0.1))
+    # row 0: rates 1 -> value 1 + W; row 1: position 1 rate 1/11, later positions unobserved (prior 1)
+    r = 1 / 11
+    theta = [2 / 1.0, (2 + 1 + r) / 1.2, (4 + 1 + 3 * r) / 1.5]
+    assert int(sched.plan(st, widths, active, tree=False, look=False)) == int(np.argmax(theta)) == 2
+    expensive = state_with(sched, hits, reached, drafted, drafts, ((1.0, 5.0, 10.0), 0.1))
+    assert int(sched.plan(expensive, widths, active, tree=False, look=False)) == 0
+    # a cheap draft is always made when its lengths will steer the width
+    cheap = state_with(sched, hits, reached, drafted, drafts, ((1.0, 5.0, 10.0), 0.01))
+    assert int(sched.plan(cheap, widths, active, tree=False, look=True)) == 2
+    # only finished rows: nothing to gain, the narrowest width wins
+    assert int(sched.plan(st, widths, jnp.asarray([False, False]), tree=False, look=False)) == 0
+
+    # refine with the real lengths: row 0 drafted 1 node, row 1 none -> width 1 beats 3 once the draft is paid
+    draft = Draft.chain(jnp.ones((2, 3), jnp.int32), valid=jnp.asarray([[True, False, False], [False] * 3]))
+    cut, st2 = sched.refine(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
+    assert np.asarray(cut.valid).tolist() == [[True, False, False], [False] * 3]
+    assert int(st2.last_width) == 1 and np.asarray(st2.width_rounds).tolist() == [0, 1, 0]
+    np.testing.assert_allclose(float(st2.predicted_seconds), 1.2)
+    # without looking (a sampled draft), the planned width stands: here 1, so the 3-node draft is cut to 1
+    full = Draft.chain(jnp.ones((2, 3), jnp.int32))
+    cut, st3 = sched.refine(st, full, jnp.asarray(1), jnp.asarray(True), widths, active, look=False, tree=False)
+    assert np.asarray(cut.valid).tolist() == [[True, False, False]] * 2 and int(st3.last_width) == 1
+    # a skipped draft verifies nothing and costs a plain step
+    cut, st4 = sched.refine(st, full, jnp.asarray(0), jnp.asarray(False), widths, active, look=True, tree=False)
+    assert not np.any(np.asarray(cut.valid)) and int(st4.skipped_drafts) == 1
+    np.testing.assert_allclose(float(st4.predicted_seconds), 1.0)
+
+
+def test_observe_counts_reached_and_accepted_positions():
+    sched = AdaptiveWidth(decay=0.5)
+    st = sched.init_state(2, 3, ((1.0, 1.0), 0.0))
+    draft = Draft.chain(jnp.ones((2, 3), jnp.int32), valid=jnp.asarray([[True, True, True], [True, True, False]]))
+    st = dataclasses.replace(st, last_drafted_valid=draft.valid, last_drafted=jnp.asarray(True))
+    st = sched.observe(st, draft, jnp.asarray([1, 2]), jnp.asarray([True, True]))
+    # row 0 accepted 1 of 3: positions 1-2 reached, 1 hit; row 1 accepted both valid nodes: 1-2 reached and hit
+    assert np.asarray(st.reached).tolist() == [[1, 1, 0], [1, 1, 0]]
+    assert np.asarray(st.hits).tolist() == [[1, 0, 0], [1, 1, 0]]
+    assert np.asarray(st.drafted).tolist() == [[1, 1, 1], [1, 1, 0]]
+    st = sched.observe(st, draft, jnp.asarray([0, 0]), jnp.asarray([True, False]))  # row 1 finished: kept
+    assert np.asarray(st.reached).tolist() == [[1.5, 0.5, 0], [1, 1, 0]]
+    assert np.asarray(st.hits).tolist() == [[0.5, 0, 0], [1, 1, 0]]
+
+
+def adaptive_drafters(target):
+    return {
+        "ngram": create_drafter("ngram", target, 4, max_ngram=2),  # deterministic, skippable
+        "self_spec": create_drafter("self_spec", target, 4, num_layers=1),  # a draft LM: never skips
+        "tree": create_drafter("self_spec", target, 4, num_layers=1, tree_top_k=2, tree_depth=2),
+        "suffix": create_drafter("suffix", target, 4),  # host-stepped loop
+    }
+
+
+def test_adaptive_greedy_equals_ar_with_rounds_of_every_width():
+    target = make_target(3)
+    ar = generate(target, PROMPTS, max_new_tokens=17)
+    for name, drafter in adaptive_drafters(target).items():
+        policy = "greedy_tree" if drafter.kind == "tree" else "greedy_chain"
+        # the draft LMs accept more, so verifying must cost more for width 0 to win sometimes; trees run
+        # widths 0 or 4 (then as narrow as the tree)
+        costs = {"tree": ((1.0, 1.5, 2.0, 2.5), 0.2), "self_spec": ((1.0, 2.0, 2.6, 3.0), 0.2)}.get(name, COSTS_4)
+        batch = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17,
+                                     scheduler=AdaptiveWidth(costs=costs))
+        assert batch.tokens == ar.tokens, name
+        m = batch.metrics
+        assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (name, m.width_rounds)
+        assert sum(m.width_rounds) >= m.rounds / len(PROMPTS)  # loop iterations >= a row's mean rounds
+        assert (m.skipped_drafts > 0) == drafter.skippable, (name, m.skipped_drafts)  # others draft, verify 0
+        assert m.predicted_seconds > 0 and m.verify_widths[0] == 0
+
+
+def test_adaptive_sampled_output_matches_target_distribution():
+    """Width chosen per round from each row's history (both skipped and verified rounds occur): the joint law
+    of the first 3 tokens still equals the target's, for a sampled draft (not skippable: width 0 verifies
+    nothing) and a deterministic one (skippable; its lengths steer the width)."""
+    target = distribution_target()
+    exact = exact_joint(target, 3)
+    # widths (0, 1, 3) of a 3-node draft. Round 1 (prior estimates, value 1 + W per row) verifies 1 node; the
+    # rows that rejected it (position-1 estimate now 1/2) are the only ones left for round 2, which skips.
+    costs = ((1.0, 1.55, 3.5), 0.3)
+    for drafter in (create_drafter("self_spec", target, 3, num_layers=1),
+                    create_drafter("ngram", target, 3, max_ngram=1)):
+        out = speculative_generate(target, drafter, [PROMPT] * 4000, policy="rejection_chain", max_new_tokens=3,
+                                   sampling=SAMPLING, seed=7, scheduler=AdaptiveWidth(costs=costs))
+        seqs = np.array(out.tokens)
+        counts = np.bincount((seqs * 8 ** np.arange(3)[::-1]).sum(axis=1), minlength=8 ** 3)
+        m = out.metrics
+        assert m.width_rounds == [1, 1, 0], m.width_rounds
+        assert m.accepted_draft_tokens > 200
+        p_value, tv = fit(counts, exact)
+        assert p_value > 1e-3, (drafter.name, p_value, tv)
+
+
+def test_round_costs_are_measured_in_the_loop_once_and_cached(tmp_path, monkeypatch):
+    target = make_target(4)
+    drafter = create_drafter("ngram", target, 4, max_ngram=2)
+    path = tmp_path / "costs.json"
+    sched = AdaptiveWidth(cost_path=str(path))
+    out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=sched)
+    assert out.tokens == generate(target, PROMPTS, max_new_tokens=9).tokens
+    (entry,) = json.loads(path.read_text()).values()
+    assert len(entry["round_cost"]) == 4 and all(c > 0 for c in entry["round_cost"]) and entry["draft_cost"] >= 0
+
+    def fail(*a, **k):
+        raise AssertionError("measured again although cached")
+
+    monkeypatch.setattr(engine, "measure_round_costs", fail)
+    speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=sched)
+    with pytest.raises(AssertionError, match="measured again"):
+        speculative_generate(target, drafter, PROMPTS, max_new_tokens=9,
+                             scheduler=AdaptiveWidth(cost_path=str(path), reprofile=True))
+
+
+def test_adaptive_config_and_bad_inputs():
+    s = make_scheduler(SchedulerConfig(kind="adaptive", decay=0.8, prior=0.9))
+    assert isinstance(s, AdaptiveWidth) and s.decay == 0.8 and s.prior == 0.9
+    with pytest.raises(ValueError, match="decay"):
+        SchedulerConfig(kind="adaptive", decay=1.0)
+    with pytest.raises(ValueError, match="prior"):
+        AdaptiveWidth(prior=0.0)
+    with pytest.raises(ValueError, match="seconds per round"):
+        AdaptiveWidth(costs=((1.0, -1.0), 0.0))
+    target = make_target(0)
+    with pytest.raises(ValueError, match=r"3 round costs.*\[0, 1, 3, 4\]"):
+        speculative_generate(target, create_drafter("ngram", target, 4), PROMPTS, max_new_tokens=5,
+                             scheduler=AdaptiveWidth(costs=((1.0, 1.0, 1.0), 0.0)))
+    assert adaptive.cost_key(target, create_drafter("ngram", target, 4), "greedy_chain", SAMPLING, 2, 300,
+                             (0, 1)).count("|") >= 8
