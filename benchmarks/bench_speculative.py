@@ -45,6 +45,7 @@ import numpy as np
 
 from drafters import create_drafter
 from specdec import trees
+from specdec.adaptive import AdaptiveWidth
 from specdec.engine import speculative_generate
 from specdec.generate import ar_metrics, cache_capacity, generate
 from specdec.metrics import merge, speedup
@@ -56,7 +57,8 @@ from specdec.target import Target
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = Path(os.environ.get("SPECDEC_DATA", REPO.parent / "shared" / "data"))
 SUBSETS = ("mt_bench", "gsm8k", "humaneval")
-DEFAULT_DRAFTERS = ("ngram:k=3,max_ngram=3", "suffix:k=4", "self_spec:k=3,num_layers=26")
+DEFAULT_DRAFTERS = ("ngram:k=6,max_ngram=3,scheduler=adaptive", "ngram:k=3,max_ngram=3", "suffix:k=8,scheduler=adaptive",
+                    "self_spec:k=3,num_layers=26,scheduler=adaptive")
 DEFAULT_POLICY = {"chain": "greedy_chain", "tree": "greedy_tree"}
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a Python "
                          "code block.\n\n```python\n{prompt}```")
@@ -109,11 +111,12 @@ class DrafterSpec:
     policy: str | None
     params: tuple[tuple[str, object], ...]
     buckets: object = None  # the engine's verify_buckets ("auto" or node counts joined by '/'); None = off
+    scheduler: str | None = None  # "adaptive": the adaptive verify width (specdec/adaptive.py); None = fixed
 
     @classmethod
     def parse(cls, text: str) -> "DrafterSpec":
         """`name[:key=value,...]`; k = num_draft_tokens (default 5), policy = verification policy, buckets =
-        verify widths (`auto`, or node counts like 0/1/3)."""
+        verify widths (`auto`, or node counts like 0/1/3), scheduler = `adaptive` or `fixed`."""
         name, _, rest = text.partition(":")
         opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
         k = int(opts.pop("k", 5))
@@ -121,13 +124,19 @@ class DrafterSpec:
         buckets = opts.pop("buckets", None)
         if buckets not in (None, "auto"):
             buckets = tuple(int(w) for w in buckets.split("/"))
-        return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())), buckets)
+        scheduler = opts.pop("scheduler", None)
+        if scheduler not in (None, "fixed", "adaptive"):
+            raise ValueError(f"{text}: scheduler must be 'adaptive' or 'fixed', got {scheduler!r}")
+        return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())), buckets,
+                   None if scheduler == "fixed" else scheduler)
 
     @property
     def label(self) -> str:
         extra = "".join(f",{k}={v}" for k, v in self.params)
         if self.buckets is not None:
             extra += f",buckets={self.buckets if isinstance(self.buckets, str) else '/'.join(map(str, self.buckets))}"
+        if self.scheduler:
+            extra += f",{self.scheduler}"
         return f"{self.name}(k={self.k}{extra})"
 
 
@@ -146,13 +155,14 @@ def run_ar(target: Target, groups, max_new: int):
     return tokens, merge([ar_metrics(o) for o in outs])
 
 
-def run_spec(target: Target, drafter, policy: str, groups, max_new: int, buckets=None):
+def run_spec(target: Target, drafter, policy: str, groups, max_new: int, buckets=None, scheduler=None):
     """The drafter on each group, warmed up like `run_ar`. The suffix drafter starts with an empty global
     corpus (it does not keep the 2-token warm-up outputs, see drafters/suffix.py)."""
     if hasattr(drafter, "clear_global"):
         drafter.clear_global()
     outs = [speculative_generate(target, drafter, g, policy=policy, max_new_tokens=max_new, sampling=GREEDY,
-                                 warmup=True, verify_buckets=buckets) for g in groups]
+                                 warmup=True, verify_buckets=buckets,
+                                 scheduler=AdaptiveWidth() if scheduler == "adaptive" else None) for g in groups]
     tokens = [row for o in outs for row in o.tokens]
     return tokens, merge([o.metrics for o in outs])
 
@@ -305,7 +315,7 @@ def main(argv=None) -> dict:
             for spec in specs:
                 d = drafters[spec]
                 policy = spec.policy or DEFAULT_POLICY[d.kind]
-                tokens, m = run_spec(target, d, policy, groups, args.max_new_tokens, spec.buckets)
+                tokens, m = run_spec(target, d, policy, groups, args.max_new_tokens, spec.buckets, spec.scheduler)
                 rows.append({**base, "method": spec.label, "policy": policy, **_row(m, ar, tokens, ar_tokens)})
                 print(_line(rows[-1]), flush=True)
             summary["rows"].extend(rows)
@@ -361,12 +371,16 @@ def _row(m, ar, tokens, ar_tokens) -> dict:
     return {"tau": m.tau, "acceptance_rate": m.acceptance_rate, "tok_s": m.tokens_per_second, "tok_s_e2e": e2e,
             "speedup": speedup(ar, m), "lossless": _same(tokens, ar_tokens), "new_tokens": m.new_tokens,
             "decode_s": m.decode_seconds, "prefill_s": m.prefill_seconds, "draft_s": m.draft_seconds,
-            "verify_s": m.verify_seconds, "acceptance_survival": m.acceptance_by_position()["survival"]}
+            "verify_s": m.verify_seconds, "acceptance_survival": m.acceptance_by_position()["survival"],
+            "predicted_tok_s": m.predicted_tokens_per_second if m.predicted_seconds else None,
+            "width_rounds": m.width_rounds or None}
 
 
 def _line(r: dict) -> str:
     return (f"{r['subset']:9s} B={r['batch']} {r['method']:38s} tau {r['tau']:.2f}  {r['tok_s']:6.1f} tok/s "
-            f"({r['tok_s_e2e']:.1f} incl. prefill)  x{r['speedup']:.2f}  same as AR {r['lossless']}")
+            f"({r['tok_s_e2e']:.1f} incl. prefill)  x{r['speedup']:.2f}  same as AR {r['lossless']}"
+            + (f"  predicted {r['predicted_tok_s']:.1f} tok/s, rounds by width {r['width_rounds']}"
+               if r.get("predicted_tok_s") else ""))
 
 
 def print_tables(s: dict) -> None:
@@ -374,13 +388,14 @@ def print_tables(s: dict) -> None:
     print(f"n={s['n']} prompts per subset, max_new_tokens={s['max_new_tokens']}, greedy; {s['date']}")
     print()
     print("| subset | B | method | tau | accept rate | tok/s | tok/s incl. prefill | speedup vs AR | "
-          "= AR (greedy) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "predicted tok/s | = AR (greedy) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in s["rows"]:
         rate = "-" if r["method"] == "AR" else f"{r['acceptance_rate']:.2f}"
         tau = "1.00" if r["method"] == "AR" else f"{r['tau']:.2f}"
+        predicted = f"{r['predicted_tok_s']:.1f}" if r.get("predicted_tok_s") else "-"
         print(f"| {r['subset']} | {r['batch']} | {r['method']} | {tau} | {rate} | {r['tok_s']:.1f} | "
-              f"{r['tok_s_e2e']:.1f} | {r['speedup']:.2f}x | {r['lossless']} |")
+              f"{r['tok_s_e2e']:.1f} | {r['speedup']:.2f}x | {predicted} | {r['lossless']} |")
     for r in s["transformers"]:
         print(f"| {r['subset']} | 1 | {r['method']} | - | - | - | {r['tok_s']:.1f} | - | {r['lossless']} |")
     if s["transformers"]:

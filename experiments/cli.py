@@ -37,7 +37,8 @@ def _encode(target, text: str, chat: bool) -> list[int]:
 
 def cmd_quickstart(args) -> int:
     import drafters
-    from experiments.compare import DrafterSpec, compare, table
+    from experiments.compare import DrafterSpec, category_table, compare, table
+    from specdec.adaptive import AdaptiveWidth
     from specdec.prompts import builtin
     from specdec.target import load_target
 
@@ -45,19 +46,24 @@ def cmd_quickstart(args) -> int:
     target = load_target(args.model, backend=args.backend)
     prompts = builtin("quickstart")
     encoded = [target.tokenizer.encode_chat(text) for _, text in prompts]
-    # n-gram twice: with the engine's narrow verify steps (a lookup miss runs a 1-token step) and without
-    specs = [DrafterSpec("ngram", 6, {"max_ngram": 3}), DrafterSpec("ngram", 6, {"max_ngram": 3}, buckets="auto"),
-             DrafterSpec("self_spec", 4, {"num_layers": 24})]
+    # Every drafter with the adaptive verify width (each round verifies what pays on this machine, or skips the
+    # draft); n-gram also with every drafted token verified, for contrast.
+    adaptive = AdaptiveWidth()
+    specs = [DrafterSpec("ngram", 6, {"max_ngram": 3}, scheduler=adaptive),
+             DrafterSpec("ngram", 6, {"max_ngram": 3}, buckets="auto"),
+             DrafterSpec("self_spec", 4, {"num_layers": 24}, scheduler=adaptive)]
     if "suffix" in drafters.available():
-        specs.insert(2, DrafterSpec("suffix", 8, {}, policy="greedy_tree"))
+        specs.insert(2, DrafterSpec("suffix", 8, {}, policy="greedy_tree", scheduler=adaptive))
     print(f"{len(prompts)} built-in prompts ({', '.join(sorted({c for c, _ in prompts}))}), batch 1, greedy, "
-          f"{args.max_new_tokens} new tokens; AR baseline first, then each drafter (compile excluded)\n",
-          flush=True)
+          f"{args.max_new_tokens} new tokens; AR baseline first, then each drafter (compile excluded; the adaptive "
+          "width measures this machine's round costs once, cached)\n", flush=True)
     rows = compare(target, encoded, specs, max_new_tokens=args.max_new_tokens,
                    progress=lambda r: print(f"  done: {r.method} ({r.metrics.tokens_per_second:.1f} tok/s)",
                                             flush=True))
     print()
     print(table(rows))
+    print("\nspeedup vs AR (tau) by prompt kind:\n")
+    print(category_table(rows, [c for c, _ in prompts]))
     print("\nexample output (prompt 1):", repr(target.tokenizer.decode(rows[0].outputs[0])))
     if not all(r.matches_ar for r in rows):
         print("ERROR: a speculative output differed from AR under greedy decoding", file=sys.stderr)
@@ -67,6 +73,7 @@ def cmd_quickstart(args) -> int:
 
 def cmd_generate(args) -> int:
     from drafters import create_drafter
+    from specdec.adaptive import AdaptiveWidth
     from specdec.engine import speculative_generate
     from specdec.generate import ar_metrics, generate
     from specdec.sampling import SamplingParams
@@ -83,8 +90,9 @@ def cmd_generate(args) -> int:
         policy = args.policy or ("greedy_tree" if drafter.kind == "tree" else "greedy_chain")
         if not sampling.greedy and policy.startswith("greedy"):
             policy = "multidraft_tree" if drafter.kind == "tree" else "rejection_chain"
+        scheduler = AdaptiveWidth() if args.scheduler == "adaptive" else None
         out = speculative_generate(target, drafter, prompts, policy=policy, max_new_tokens=args.max_new_tokens,
-                                   sampling=sampling, seed=args.seed, warmup=args.warmup)
+                                   sampling=sampling, seed=args.seed, warmup=args.warmup, scheduler=scheduler)
         tokens, metrics = out.tokens, out.metrics
     for text, row in zip(args.prompt, tokens):
         print(f"### {text}\n{target.tokenizer.decode(row)}\n")
@@ -244,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-k", "--num-draft-tokens", type=int, default=5)
     g.add_argument("--param", action="append", metavar="KEY=VALUE", help="drafter parameter (repeatable)")
     g.add_argument("--policy", default=None, help="verification policy (default: greedy for the drafter's kind)")
+    g.add_argument("--scheduler", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive: verify each round what pays on this machine (or skip the draft); fixed: all k")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)

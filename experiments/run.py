@@ -301,6 +301,11 @@ def markdown_table(summary: dict) -> str:
                   f"{_fmt(dv.get('verify_seconds'), '.2f')} s (draft fraction {_fmt(dv.get('draft_fraction'))}; "
                   f"{dv.get('source', 'n/a')})",
               f"- lossless check: {summary['lossless']['description']}"]
+    if spec.get("width_rounds"):  # the adaptive verify width: its choices and its cost model vs the measurement
+        lines.append(f"- adaptive width: loop iterations by verify width {dict(zip(spec['verify_widths'], spec['width_rounds']))}"
+                     f", {spec['skipped_drafts']} skipped the draft; predicted "
+                     f"{_fmt(spec.get('predicted_tokens_per_second'), '.1f')} tok/s vs measured "
+                     f"{_fmt(spec['tokens_per_second'], '.1f')}")
     for name, q in (summary.get("quality") or {}).items():
         vals = ", ".join(f"{m} {_fmt(q.get(m), '.3f')}" for m in (AR, SPEC) if m in q)
         if summary["temperature"] == 0:
