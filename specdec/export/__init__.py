@@ -134,17 +134,19 @@ def model_card(run: Path, run_cfg: dict, meta: dict, config: dict, target, token
     ids = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
         "eagle_aux_hidden_state_layer_ids")
     final = summary.get("final_eval") or {}
+    verifier = verifier_of(target, (run_cfg.get("model") or {}).get("name"))["name_or_path"]
+    where = f" (`{data_dir}`{examples})" if data_dir else ""
     lines = [
-        f"# EAGLE-3 drafter for {meta['target'].get('name', target.cfg.name)} ({fmt} layout)",
+        f"# EAGLE-3 drafter for {verifier} ({fmt} layout)",
         "",
         "Exported by specdec (`specdec export`) from a trained run; docs/EXPORT.md in specdec describes every field.",
         "",
         "| | |", "|---|---|",
-        f"| target | {config.get('speculators_config', {}).get('verifier', {}).get('name_or_path', meta['target'].get('name'))} "
-        f"({target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, vocabulary {target.cfg.vocab_size}) |",
+        f"| target | {verifier} ({target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, vocabulary "
+        f"{target.cfg.vocab_size}) |",
         f"| target layers read (specdec taps) | {sorted(meta['config']['taps'])}; in this file's numbering: {ids} |",
         f"| draft vocabulary | {config.get('draft_vocab_size')} |",
-        f"| training data | {datasets} (`{data_dir}`{examples}) |",
+        f"| training data | {datasets}{where} |",
         f"| steps | {meta['step']} (status: {summary.get('status', 'unknown')}) |",
         f"| source run | `{meta['source']}` |",
     ]
