@@ -207,8 +207,9 @@ def test_export_command(tmp_path, run_dir, target, monkeypatch, capsys):
     assert cli.main(["export", str(run_dir), "--format", "vllm", str(tmp_path / "c")]) == 2
     assert "has no config.yaml naming its target; pass --model" in capsys.readouterr().err
     monkeypatch.setattr("experiments.build.build_target", lambda model, mesh=None: target)
-    assert cli.main(["export", str(run_dir), "--format", "vllm", str(tmp_path / "d"), "--model", "tiny4", "-k", "5"]) == 0
-    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    out = tmp_path / "d"
+    assert cli.main(["export", str(run_dir), "--format", "vllm", str(out), "--model", "tiny4", "-k", "5"]) == 0
+    config = json.loads((out / "config.json").read_text())
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     assert "model.safetensors" in capsys.readouterr().out
 

@@ -161,8 +161,9 @@ def model_card(run: Path, run_cfg: dict, meta: dict, config: dict, target, token
               "measure it per dataset.", ""]
     lines += ["## Serving", ""]
     if fmt == "vllm":
-        lines += ["```", f"vllm serve <target> --speculative-config '{{\"method\": \"eagle3\", \"model\": \"<this dir>\", "
-                  f"\"num_speculative_tokens\": {meta['num_draft_tokens']}}}'", "```"]
+        spec = json.dumps({"method": "eagle3", "model": "<this dir>",
+                           "num_speculative_tokens": meta["num_draft_tokens"]})
+        lines += ["```", f"vllm serve <target> --speculative-config '{spec}'", "```"]
     else:
         lines += ["```", "python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 "
                   "--speculative-draft-model-path <this dir> --speculative-num-steps "

@@ -137,6 +137,7 @@ def to_peer(arch, params: dict, buffers: dict, target_cfg, fmt: str, *, num_draf
         t2d[kept] = True
         tensors["t2d"] = t2d
     draft_vocab = arch.draft_vocab or vocab
+    eos = list(target_cfg.eos_token_ids)
     tensors = _rename(tensors, "midlayer.", LAYER_PREFIX[fmt])
 
     layer = {
@@ -149,18 +150,19 @@ def to_peer(arch, params: dict, buffers: dict, target_cfg, fmt: str, *, num_draf
         "rope_scaling": dict(c.rope_scaling) if c.rope_scaling is not None else None,
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         "bos_token_id": target_cfg.bos_token_id,
-        "eos_token_id": list(target_cfg.eos_token_ids) if len(target_cfg.eos_token_ids) != 1 else target_cfg.eos_token_ids[0],
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
         "pad_token_id": target_cfg.pad_token_id, "torch_dtype": "float32",
     }
     if fmt == "vllm":
         verifier = verifier or {"name_or_path": target_cfg.name, "architectures": []}
+        verifier = {"name_or_path": verifier["name_or_path"], "architectures": list(verifier["architectures"])}
         config = {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "speculators_config": {
                 "algorithm": "eagle3",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_draft_tokens)}],
                 "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": verifier["name_or_path"], "architectures": list(verifier["architectures"])},
+                "verifier": verifier,
             },
             "transformer_layer_config": layer, "draft_vocab_size": draft_vocab,
             # vLLM's speculators adapter defaults norm_before_residual to True; ours keeps the residual pre-norm

@@ -190,8 +190,9 @@ def load_trained(path: str | os.PathLike | None, name: str, target, config_stem:
     info = load_drafter(path, expect_name=name)
     check_target(info, target, str(path))
     embed = info.get("embed")  # an imported checkpoint's own embedding: specdec drafters use the target's
-    if embed is not None and not np.allclose(np.asarray(embed, np.float32), np.asarray(target.params["embed"], np.float32),
-                                             rtol=1e-3, atol=1e-3):
+    mine = np.asarray(target.params["embed"], np.float32)
+    if embed is not None and (np.shape(embed) != mine.shape
+                              or not np.allclose(np.asarray(embed, np.float32), mine, rtol=1e-3, atol=1e-3)):
         raise CheckpointError(f"{path} carries its own embed_tokens, which differ from the target's; specdec's "
                               f"{name} reads the target's embedding, so it cannot reproduce this drafter")
     return info
