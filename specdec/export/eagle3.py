@@ -5,11 +5,11 @@ What the peers load (docs/EXPORT.md cites the file behind each field):
 * weights: `fc.weight` [H, 3H], `<layer>.{input_layernorm, hidden_norm, post_attention_layernorm}.weight`,
   `<layer>.self_attn.{q,k,v,o}_proj.weight`, `<layer>.mlp.{gate,up,down}_proj.weight`, `norm.weight`,
   `lm_head.weight` [Vd, H], where <layer> is `layers.0` for vLLM (speculators' own module names; vLLM also maps
-  `midlayer.` onto them) and `midlayer` for SGLang (its LlamaForCausalLMEagle3 has only that name), and for a
-  reduced vocabulary `d2t` int64 [Vd] as OFFSETS
-  (target id = draft id + d2t[draft id]) and `t2d` bool [V]. Torch Linear weights are [out, in]: our Dense
-  kernels [in, out] transposed. No `embed_tokens`: both engines then share the target's embedding, which is
-  what specdec's drafter uses (the frozen target embedding).
+  `midlayer.` onto them) and `midlayer` for SGLang (its LlamaForCausalLMEagle3 has only that name); `d2t` int64
+  [Vd] as OFFSETS (target id = draft id + d2t[draft id]) and `t2d` bool [V] (the identity map for the full
+  vocabulary). Torch Linear weights are [out, in]: our Dense kernels [in, out] transposed. No `embed_tokens`:
+  both engines then share the target's embedding, which is what specdec's drafter uses (the frozen target
+  embedding).
 * the draft vocabulary in ascending target-id order (speculators builds t2d as a mask and slices the verifier's
   lm_head with it, so draft id i is the i-th kept target id); specdec's d2t is sorted already, and the export
   permutes lm_head rows with it if one is not.
@@ -136,6 +136,11 @@ def to_peer(arch, params: dict, buffers: dict, target_cfg, fmt: str, *, num_draf
         t2d = np.zeros((vocab,), bool)
         t2d[kept] = True
         tensors["t2d"] = t2d
+    else:
+        # The identity map for a full vocabulary: SGLang's EAGLE worker (older releases) calls .to() on the
+        # hot-token map without a None check, and speculators accepts and ignores identity maps.
+        tensors["d2t"] = np.zeros((vocab,), np.int64)
+        tensors["t2d"] = np.ones((vocab,), bool)
     draft_vocab = arch.draft_vocab or vocab
     eos = list(target_cfg.eos_token_ids)
     tensors = _rename(tensors, "midlayer.", LAYER_PREFIX[fmt])
@@ -250,6 +255,9 @@ def from_peer(config: dict, tensors: dict[str, np.ndarray]) -> dict:
     if params["lm_head"]["kernel"].shape[1] != draft_vocab:
         raise ValueError(f"lm_head has {params['lm_head']['kernel'].shape[1]} rows, draft_vocab_size is {draft_vocab}")
     buffers = {}
+    if draft_vocab == vocab and "d2t" in tensors and np.any(np.asarray(tensors["d2t"]) != 0):
+        raise NotRepresentable("a full-vocabulary d2t that permutes the vocabulary (specdec's full-vocabulary "
+                               "drafters use the identity)")
     if "d2t" in tensors and draft_vocab != vocab:
         offsets = np.asarray(tensors["d2t"], np.int64)
         if offsets.shape != (draft_vocab,):
