@@ -234,6 +234,29 @@ def test_export_command(tmp_path, run_dir, target, monkeypatch, capsys):
     assert "model.safetensors" in capsys.readouterr().out
 
 
+def test_generate_command_takes_a_drafter_directory(exports, target, monkeypatch, capsys):
+    """`specdec generate --drafter <export dir>` builds the drafter the directory holds (the decode itself is
+    stubbed: the engine is tested above)."""
+    import dataclasses
+    import types
+
+    from experiments.build import ByteCodec
+
+    seen = {}
+
+    def fake_generate(target_, drafter, prompts, **kwargs):
+        seen["drafter"] = drafter
+        metrics = types.SimpleNamespace(summary=lambda: {"tau": 1.0})
+        return types.SimpleNamespace(tokens=[[72, 105]] * len(prompts), metrics=metrics)
+
+    with_codec = dataclasses.replace(target, tokenizer=ByteCodec())  # text <-> ids for the tokenizer-less model
+    monkeypatch.setattr("specdec.target.load_target", lambda *a, **k: with_codec)
+    monkeypatch.setattr("specdec.engine.speculative_generate", fake_generate)
+    assert cli.main(["generate", "Hi", "--drafter", str(exports["sglang"]), "-k", "3", "--raw"]) == 0
+    assert seen["drafter"].name == "eagle3" and seen["drafter"].taps == (1, 2, 3)
+    assert seen["drafter"].num_draft_tokens == 3 and "Hi" in capsys.readouterr().out
+
+
 def edited_copy(src, dst, edit_config=None, edit_tensors=None):
     from safetensors.numpy import load_file, save_file
 
