@@ -84,7 +84,7 @@ def first_round(target, drafter, rows=PROMPTS):
                                                                                jnp.asarray(root)), 48)
     ctx = context([p + [int(r)] for p, r in zip(rows, root)])
     lg, drafted, _, _ = engine_round(drafter, drafter.params, state, ctx)
-    return np.asarray(lg), np.asarray(drafted), root, np.asarray(taps)
+    return np.asarray(lg), np.asarray(drafted), root, np.array(taps)  # a writable copy: torch.from_numpy wants one
 
 
 @pytest.mark.parametrize("fmt", E.FORMATS)
@@ -206,6 +206,9 @@ def test_bad_export_requests_are_clear_errors(tmp_path, run_dir, target, exports
         export_run(run_dir, tmp_path / "x", "onnx", target)
     with pytest.raises(FileExistsError, match="not empty"):
         export_run(run_dir, exports["vllm"], "vllm", target)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError, match="is a file"):
+        export_run(run_dir, tmp_path / "file", "vllm", target)
     other = random_target(tiny_config(num_layers=3), seed=0)
     with pytest.raises(ckpt.CheckpointError, match="num_layers=4"):
         export_run(run_dir, tmp_path / "y", "vllm", other)

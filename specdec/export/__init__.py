@@ -77,6 +77,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str,
     config, tensors = E.to_peer(arch, info["params"], info["buffers"], target.cfg, fmt, num_draft_tokens=int(k),
                                 verifier=verifier_of(target, model_name))
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; the export writes a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass --overwrite or choose another directory")
     out.mkdir(parents=True, exist_ok=True)
