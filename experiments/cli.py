@@ -68,7 +68,7 @@ def cmd_quickstart(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from drafters import create_drafter
+    from drafters import available, create_drafter
     from specdec.engine import speculative_generate
     from specdec.generate import ar_metrics, generate
     from specdec.sampling import SamplingParams
@@ -83,7 +83,7 @@ def cmd_generate(args) -> int:
     else:
         params = _parse_params(args.param)
         name = args.drafter
-        if Path(name).is_dir():  # a training run or an exported drafter: its kind comes from the directory
+        if name not in available() and Path(name).is_dir():  # a trained / exported drafter: kind from the dir
             name, params["path"] = None, name
         drafter = create_drafter(name, target, args.num_draft_tokens, **params)
         policy = args.policy or ("greedy_tree" if drafter.kind == "tree" else "greedy_chain")
