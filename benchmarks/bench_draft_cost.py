@@ -14,7 +14,6 @@ Greedy sampling; the drafter state is not advanced between calls (every call dra
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +29,6 @@ from drafters import create_drafter  # noqa: E402
 from specdec import engine  # noqa: E402
 from specdec.generate import cache_capacity, pad_prompts  # noqa: E402
 from specdec.sampling import GREEDY  # noqa: E402
-from specdec.train.checkpoint import DRAFTER_FILE  # noqa: E402
 from specdec.target import load_target  # noqa: E402
 from specdec.verify import get_policy  # noqa: E402
 
@@ -73,8 +71,7 @@ def main(argv=None) -> list[dict]:
     for item in args.drafters:
         name, _, rest = item.partition("=")
         path, _, k = rest.partition(":")
-        kind = json.loads((Path(path) / DRAFTER_FILE).read_text())["drafter"]
-        drafter = create_drafter(kind, target, int(k or 5), path=path)
+        drafter = create_drafter(None, target, int(k or 5), path=path)  # the kind comes from the directory
         for batch in args.batches:
             prompts = [target.tokenizer.encode_chat(t) for t in texts[:batch]]
             r = {"drafter": name, "k": drafter.num_draft_tokens, "batch": batch, **round_costs(target, drafter,

@@ -13,6 +13,7 @@ import inspect
 from typing import Callable
 
 _FACTORIES: dict[str, Callable] = {}
+AUTO = "auto"  # create_drafter("auto", ..., path=...): the kind comes from the trained drafter's directory
 # Modules that register drafters, imported on first use (so importing `drafters` stays cheap).
 _MODULES = ("drafters.ngram", "drafters.draft_lm", "drafters.suffix", "drafters.eagle3", "drafters.medusa",
             "drafters.distilled_lm", "drafters.dflash", "drafters.dspark")
@@ -39,9 +40,17 @@ def available() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def create_drafter(name: str, target, num_draft_tokens: int = 5, **params):
-    """Build drafter `name` for `target`; `params` are the drafter's own options (config `drafter.params`)."""
+def create_drafter(name: str | None, target, num_draft_tokens: int = 5, **params):
+    """Build drafter `name` for `target`; `params` are the drafter's own options (config `drafter.params`).
+    With `name` None (or "auto") and `path=<trained drafter dir>`, the kind is read from the directory (a
+    training run's drafter.json or an export's config.json)."""
     _load_all()
+    if name is None or name == AUTO:
+        if not params.get("path"):
+            raise ValueError("create_drafter needs a drafter name, or path=<trained drafter directory> to read it from")
+        from specdec.train.checkpoint import drafter_kind
+
+        name = drafter_kind(params["path"])
     if name not in _FACTORIES:
         raise ValueError(f"unknown drafter {name!r}; available drafters: {', '.join(sorted(_FACTORIES))}")
     if num_draft_tokens < 1:

@@ -8,6 +8,7 @@ and are dropped when decoding. No chat template.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Sequence
@@ -120,6 +121,12 @@ def build_drafter(cfg: ExperimentConfig, target: Target):
     from drafters import create_drafter
 
     drafters._load_all()
+    if cfg.drafter.name == drafters.AUTO:  # the kind a trained drafter directory records
+        if cfg.drafter.path is None:
+            raise ValueError("drafter.name: 'auto' reads the drafter kind from drafter.path; set drafter.path")
+        from specdec.train.checkpoint import drafter_kind
+
+        cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, name=drafter_kind(cfg.drafter.path)))
     factory = drafters._FACTORIES.get(cfg.drafter.name)
     if factory is None:
         raise ValueError(f"drafter.name: unknown drafter {cfg.drafter.name!r}; available: "
@@ -128,7 +135,8 @@ def build_drafter(cfg: ExperimentConfig, target: Target):
     params = drafter_params(cfg, accepted)
     if cfg.drafter.path is not None:
         if "path" not in accepted and "checkpoint" not in accepted:
-            raise ValueError(f"drafter.path: drafter {cfg.drafter.name!r} takes no checkpoint")
+            raise ValueError(f"drafter.path: drafter {cfg.drafter.name!r} takes no checkpoint (drafter.name=auto "
+                             "reads the kind from the checkpoint)")
         params["path" if "path" in accepted else "checkpoint"] = cfg.drafter.path
     drafter = create_drafter(cfg.drafter.name, target, num_draft_tokens(cfg), **params)
     if sharding.mesh_of(target) is not None and drafter.params is not None:  # next to the target, on its mesh

@@ -7,6 +7,7 @@
     specdec sweep <sweep.yaml> [k=v ...]    every run of a sweep, then a combined report
     specdec data <config.yaml> [k=v ...]    distillation data: the target's responses to the config's prompts
     specdec train <config.yaml> [k=v ...]   train the config's drafter on that data (resumes when interrupted)
+    specdec export <run> --format vllm|sglang <out>   the trained drafter in a serving engine's layout
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -72,7 +74,7 @@ def cmd_quickstart(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from drafters import create_drafter
+    from drafters import available, create_drafter
     from specdec.adaptive import AdaptiveWidth
     from specdec.engine import speculative_generate
     from specdec.generate import ar_metrics, generate
@@ -86,7 +88,11 @@ def cmd_generate(args) -> int:
         out = generate(target, prompts, args.max_new_tokens, sampling, seed=args.seed, warmup=args.warmup)
         tokens, metrics = out.tokens, ar_metrics(out)
     else:
-        drafter = create_drafter(args.drafter, target, args.num_draft_tokens, **_parse_params(args.param))
+        params = _parse_params(args.param)
+        name = args.drafter
+        if name not in available() and Path(name).is_dir():  # a trained / exported drafter: kind from the dir
+            name, params["path"] = None, name
+        drafter = create_drafter(name, target, args.num_draft_tokens, **params)
         policy = args.policy or ("greedy_tree" if drafter.kind == "tree" else "greedy_chain")
         if not sampling.greedy and policy.startswith("greedy"):
             policy = "multidraft_tree" if drafter.kind == "tree" else "rejection_chain"
@@ -100,6 +106,31 @@ def cmd_generate(args) -> int:
     print(json.dumps(summary, indent=2) if args.json else
           "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()
                     if not isinstance(v, list)))
+    return 0
+
+
+def cmd_export(args) -> int:
+    """Write a trained drafter in the layout vLLM (speculators) or SGLang (SpecForge) loads (docs/EXPORT.md)."""
+    from experiments.build import build_target
+    from specdec.config import load_config
+    from specdec.export import export_run
+
+    run = Path(args.run_dir)
+    if not run.is_dir():
+        raise ValueError(f"{run} is not a directory; pass a training run directory (output.dir/output.name)")
+    stored = run / "config.yaml"
+    if args.model is None and not stored.is_file():
+        raise ValueError(f"{run} has no config.yaml naming its target; pass --model")
+    model = load_config(yaml.safe_load(stored.read_text())).model if stored.is_file() else None
+    if args.model is not None:
+        model = load_config({"model": {"name": args.model}}).model
+    print(f"loading target {model.name} ...", flush=True)
+    target = build_target(model)
+    out = export_run(run, args.out_dir, args.format, target, model_name=model.name,
+                     num_draft_tokens=args.num_draft_tokens, overwrite=args.overwrite)
+    print(f"exported {run} for {args.format} -> {out}")
+    for f in sorted(out.iterdir()):
+        print(f"  {f.name} ({f.stat().st_size:,} bytes)")
     return 0
 
 
@@ -150,8 +181,6 @@ def _summary_lines(summary: dict, keys) -> str:
 def cmd_data(args) -> int:
     """Prompts of `data.datasets` (files, hub names, or `name: self` = written by the target) -> the target's
     responses under `train.data_dir` (sampling: `sampling`; length and batch: `generation`)."""
-    from pathlib import Path
-
     from experiments.build import build_target
     from specdec.config import load_config
     from specdec.train.data import (SELF_PROMPTS, build_distill_data, load_prompt_records,
@@ -191,8 +220,6 @@ def cmd_data(args) -> int:
 def cmd_train(args) -> int:
     """Train `drafter.name` with `train.*` (options: train.drafter_options) on `train.data_dir`; the run goes to
     <output.dir>/<output.name or the config's stem>/ and resumes from its checkpoints when rerun."""
-    from pathlib import Path
-
     import drafters
     from experiments.build import build_target
     from experiments.tracking import make_tracker
@@ -248,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="+", help="prompt text(s); several form a batch")
     g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf file or HF directory")
     g.add_argument("--backend", default="reference", choices=["reference", "scan", "megakernel"])
-    g.add_argument("--drafter", default=None, help="drafter name (omit or 'none' for plain AR decoding)")
+    g.add_argument("--drafter", default=None, help="drafter name, or a trained / exported drafter directory (its "
+                   "kind is read from it); omit or 'none' for plain AR decoding")
     g.add_argument("-k", "--num-draft-tokens", type=int, default=5)
     g.add_argument("--param", action="append", metavar="KEY=VALUE", help="drafter parameter (repeatable)")
     g.add_argument("--policy", default=None, help="verification policy (default: greedy for the drafter's kind)")
@@ -263,6 +291,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", action="store_true", help="compile first so the metrics exclude compilation")
     g.add_argument("--json", action="store_true", help="print the metrics as JSON")
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("export", help="export a trained drafter for vLLM or SGLang (config.json + safetensors)",
+                       description="Write the trained EAGLE-3 drafter of RUN_DIR into OUT_DIR in the layout vLLM "
+                                   "(speculators) or SGLang (SpecForge) loads; see docs/EXPORT.md.")
+    e.add_argument("run_dir", help="training run directory (output.dir/output.name)")
+    e.add_argument("--format", required=True, choices=["vllm", "sglang"])
+    e.add_argument("out_dir", help="directory to write (must be empty unless --overwrite)")
+    e.add_argument("--model", default=None, help="the target (default: model.name of the run's config.yaml)")
+    e.add_argument("-k", "--num-draft-tokens", type=int, default=None,
+                   help="speculative tokens written into the vLLM config (default: the run's drafter.num_draft_tokens)")
+    e.add_argument("--overwrite", action="store_true")
+    e.set_defaults(func=cmd_export)
 
     m = sub.add_parser("models", help="list registered models, drafters and policies")
     m.set_defaults(func=cmd_models)

@@ -9,7 +9,9 @@ step with each other."""
 
 import dataclasses
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import jax
@@ -177,6 +179,28 @@ def test_killed_and_resumed_equals_uninterrupted_with_a_nan_episode(work, data_d
     assert flat_a.keys() == flat_b.keys()
     for key in flat_a:
         np.testing.assert_array_equal(flat_a[key], flat_b[key], err_msg=key)  # bitwise
+
+
+def test_sigterm_saves_a_checkpoint_like_ctrl_c(work, data_dir, target):
+    """Preemption: SIGTERM mid-run finishes the step, saves it, and the rerun resumes from there."""
+    drafters.available()  # registers the training tasks
+    cfg = load_config(CONFIG, overrides(work, data_dir, "medusa"))
+    task = make_task("medusa", target, cfg.train.drafter_options)
+    data = D.load_distill_data(data_dir)
+    run = work / "runs" / "medusa_sigterm"
+    before = signal.getsignal(signal.SIGTERM)
+
+    def preempt(step, metrics):
+        if step == 75:  # between the checkpoints at 50 and 100
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(task, target, data, cfg.train, run, progress=False, eval_draft_len=3, hook=preempt, log=lambda s: None)
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the run's only
+    assert ckpt.CheckpointStore(run / "checkpoints").steps() == [50, 75]
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    summary = train(task, target, data, cfg.train, run, progress=False, eval_draft_len=3, log=lambda s: None)
+    assert summary["resumed_from"] == 75 and summary["steps"] == 200 and summary["status"] == "complete"
 
 
 def test_init_from_a_trained_drafter_starts_from_its_weights(work, data_dir, target):

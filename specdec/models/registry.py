@@ -44,6 +44,7 @@ class RegistryEntry:
     sha256: str
     size: int
     description: str
+    hf_id: str = ""  # the Hugging Face model id of the same weights (what exported drafters name as their verifier)
 
 
 REGISTRY: dict[str, RegistryEntry] = {
@@ -54,6 +55,7 @@ REGISTRY: dict[str, RegistryEntry] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
         description="HuggingFaceTB SmolLM2-135M-Instruct, GGUF Q4_1 (dequantized to float32 on load)",
+        hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 

@@ -26,6 +26,7 @@ import numpy as np
 DRAFTER_FILE = "drafter.json"
 PARAMS_FILE = "params.npz"
 CHECKPOINTS = "checkpoints"
+EXPORT_CONFIG = "config.json"  # an exported drafter directory (specdec/export) has this instead of drafter.json
 
 
 class CheckpointError(ValueError):
@@ -144,6 +145,10 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None) -> dic
     p = Path(os.path.expanduser(str(path)))
     if not p.exists():
         raise CheckpointError(f"drafter checkpoint {p} does not exist")
+    if not (p / DRAFTER_FILE).is_file() and (p / EXPORT_CONFIG).is_file():
+        from specdec.export import load_export  # a drafter exported for vLLM / SGLang (specdec/export)
+
+        return load_export(p, expect_name)
     if not (p / DRAFTER_FILE).is_file():
         found = sorted(x.name for x in p.iterdir())[:10] if p.is_dir() else "a file"
         raise CheckpointError(f"{p} is not a trained drafter: no {DRAFTER_FILE} (found: {found}); pass a training "
@@ -184,14 +189,45 @@ def load_trained(path: str | os.PathLike | None, name: str, target, config_stem:
                          f"directory, e.g. runs/train/{config_stem} from `specdec train configs/train/{config_stem}.yaml`")
     info = load_drafter(path, expect_name=name)
     check_target(info, target, str(path))
+    embed = info.get("embed")  # an imported checkpoint's own embedding: specdec drafters use the target's
+    mine = np.asarray(target.params["embed"], np.float32)
+    if embed is not None and (np.shape(embed) != mine.shape
+                              or not np.allclose(np.asarray(embed, np.float32), mine, rtol=1e-3, atol=1e-3)):
+        raise CheckpointError(f"{path} carries its own embed_tokens, which differ from the target's; specdec's "
+                              f"{name} reads the target's embedding, so it cannot reproduce this drafter")
     return info
+
+
+def drafter_kind(path: str | os.PathLike) -> str:
+    """The drafter name a trained drafter directory holds (drafter.json of a run, or an export's config.json):
+    what `create_drafter(path=...)` and `specdec generate --drafter <dir>` build."""
+    p = Path(os.path.expanduser(str(path)))
+    if (p / DRAFTER_FILE).is_file():
+        try:
+            return str(json.loads((p / DRAFTER_FILE).read_text())["drafter"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{p / DRAFTER_FILE} is corrupt ({type(e).__name__}: {e})") from None
+    from specdec.export import is_export
+
+    if is_export(p):
+        return "eagle3"
+    if not p.exists():
+        raise CheckpointError(f"drafter checkpoint {p} does not exist")
+    raise CheckpointError(f"{p} is not a trained drafter: no {DRAFTER_FILE} and no EAGLE-3 {EXPORT_CONFIG}; pass a "
+                          "training run directory or a directory written by `specdec export`")
 
 
 def check_target(info: dict, target, where: str) -> None:
     """A drafter trained on one target cannot serve another of a different shape."""
+    from specdec.export.eagle3 import target_dims
+
     want = info.get("target", {})
-    have = target_info(target)
-    bad = [k for k in ("hidden_size", "vocab_size", "num_layers") if k in want and want[k] != have[k]]
+    have = {**target_info(target), **target_dims(target.cfg)}
+    # drafter.json records the first three; an imported export also the attention widths, RoPE and eps that
+    # specdec's drafter takes from the target
+    keys = ("hidden_size", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
+            "rms_norm_eps", "rope_scaling")
+    bad = [k for k in keys if k in want and want[k] != have[k]]
     if bad:
         raise CheckpointError(f"{where} was trained on a target with " + ", ".join(f"{k}={want[k]}" for k in bad)
                               + "; this target has " + ", ".join(f"{k}={have[k]}" for k in bad))

@@ -4,10 +4,10 @@
 
 - optax AdamW (weight decay on matrices only) under linear warmup + cosine decay, global-norm clipping;
 - the target's features for each batch computed online inside the jitted step (or read from a disk cache);
-- orbax checkpoints every `checkpoint_every` steps (and at the end / on Ctrl-C), the newest `keep_checkpoints`
-  kept; a run whose directory holds checkpoints resumes exactly: the same step, parameters, optimiser state,
-  data position (epoch, cursor of a seeded per-epoch permutation) and rng key, so a killed-and-resumed run
-  ends with bitwise the parameters of an uninterrupted one (tests/test_train.py checks it);
+- orbax checkpoints every `checkpoint_every` steps (and at the end / on Ctrl-C or SIGTERM), the newest
+  `keep_checkpoints` kept; a run whose directory holds checkpoints resumes exactly: the same step, parameters,
+  optimiser state, data position (epoch, cursor of a seeded per-epoch permutation) and rng key, so a
+  killed-and-resumed run ends with bitwise the parameters of an uninterrupted one (tests/test_train.py checks it);
 - evaluation on held-out examples at the start, every `eval_every` steps and at the end: the loss and the
   teacher-forced expected tau (`specdec.train.tasks`);
 - a NaN/inf guard: a step whose loss or gradient norm is not finite is not applied, and training stops with
@@ -22,6 +22,8 @@ import dataclasses
 import functools
 import json
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -213,6 +215,15 @@ def initial_weights(path: str, task, target, params, buffers) -> tuple[Any, Any]
     return same_shapes(params, info["params"], "parameters"), {**buffers, **loaded}
 
 
+def _catch_sigterm(flag: list) -> Callable[[], None]:
+    """Record SIGTERM in `flag` instead of dying; returns the function that puts the old handler back. Signal
+    handlers can only be set from the main thread: elsewhere SIGTERM keeps its default."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: flag.append(signum))
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
 def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=None, progress: bool = True,
           full_config: dict | None = None, eval_draft_len: int = 5, hook: Callable[[int, dict], None] | None = None,
           log: Callable[[str], None] = print) -> dict:
@@ -350,6 +361,11 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
     last_saved = resumed_from
     status = "complete"
     first_eval = final_eval = None
+    # Preemption (SIGTERM, e.g. a spot VM or a cluster scheduler) stops like Ctrl-C: the running step finishes,
+    # a checkpoint is saved and rerunning resumes. The flag is checked between steps so a signal never lands
+    # between the state update and the step count.
+    terminated: list[int] = []
+    restore_sigterm = _catch_sigterm(terminated)
     try:
         first_eval = evaluate(step) if step == 0 else None
         bar = tqdm(total=cfg.steps, initial=step, desc=f"train {task.name}", disable=not progress,
@@ -388,6 +404,9 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
                     evaluate(step)
                 if hook is not None:
                     hook(step, m)
+                if terminated:
+                    log(f"\nSIGTERM received at step {step}")
+                    raise KeyboardInterrupt
         except KeyboardInterrupt:
             status = "interrupted"
             if last_saved != step:
@@ -405,6 +424,7 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
                 log(f"calibrated {task.name} on {len(eval_idx)} held-out examples")
         export = ckpt_lib.export_params(run, state["params"], state["buffers"], step)
     finally:
+        restore_sigterm()
         metrics_file.close()
         store.close()
     elapsed = time.perf_counter() - t_loop

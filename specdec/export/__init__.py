@@ -1,0 +1,232 @@
+"""Export trained drafters to the serving engines' layouts, and import such exports back (docs/EXPORT.md).
+
+    specdec export <run dir> --format vllm|sglang <out dir>
+
+writes into <out dir>:
+    config.json            the engine's config (speculators `eagle3` for vLLM, `LlamaForCausalLMEagle3` for SGLang)
+    model.safetensors      the weights under the engine's names (written with the `safetensors` library)
+    tokenizer.json, tokenizer_config.json   the target's tokenizer (when the target has one)
+    README.md              model card: target, data, steps, held-out acceptance
+    specdec_export.json    what specdec needs to load it back (format, source run, step, target shape)
+
+`load_export(path)` reads such a directory, or any EAGLE-3 checkpoint in those layouts (sharded ones through
+model.safetensors.index.json), as `specdec.train.checkpoint.load_drafter` does a run directory, so
+`drafter.path=<export dir>` and `specdec generate --drafter <export dir>` work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from specdec.export import eagle3 as E
+from specdec.export.eagle3 import FORMATS, NotRepresentable  # noqa: F401  (re-exported)
+from specdec.train import checkpoint as ckpt
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+META_FILE = "specdec_export.json"
+EXPORTABLE = ("eagle3",)
+
+
+def verifier_of(target, model_name: str | None = None) -> dict:
+    """{"name_or_path", "architectures"} of the target for speculators' `verifier` block."""
+    from specdec.models.registry import REGISTRY
+
+    cfg = target.cfg
+    name = model_name or cfg.name
+    entry = REGISTRY.get(name)
+    if entry is not None and entry.hf_id:
+        name = entry.hf_id
+    arch = "Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.attention_bias else "LlamaForCausalLM"
+    hf_config = Path(str(model_name or "")) / CONFIG_FILE
+    if hf_config.is_file():  # a Hugging Face directory says what it is
+        arch = (json.loads(hf_config.read_text()).get("architectures") or [arch])[0]
+    return {"name_or_path": name, "architectures": [arch]}
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, target, *,
+               model_name: str | None = None, num_draft_tokens: int | None = None, overwrite: bool = False) -> Path:
+    """Export the trained drafter of `run_dir` (a training run or any drafter.json + params.npz directory) for
+    `target` in `fmt` ("vllm" or "sglang") into `out_dir`. `model_name`: how the run named the target
+    (registry name or Hugging Face directory; default: the run's config.yaml) for the verifier field and the
+    tokenizer files. Raises NotRepresentable when the drafter has no exact equivalent in the peer format."""
+    import yaml
+    from safetensors.numpy import save_file
+
+    E._check_format(fmt)
+    run = Path(run_dir)
+    info = ckpt.load_drafter(run)
+    if info["drafter"] not in EXPORTABLE:
+        raise NotRepresentable(f"{run} holds a {info['drafter']!r} drafter; export supports {', '.join(EXPORTABLE)} "
+                               "(docs/EXPORT.md says what DFlash / DSpark would need)")
+    ckpt.check_target(info, target, str(run))
+    run_cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else {}
+    run_cfg = run_cfg or {}
+    model_name = model_name or (run_cfg.get("model") or {}).get("name")
+    k = num_draft_tokens or (run_cfg.get("drafter") or {}).get("num_draft_tokens") or 3
+
+    from drafters import eagle3
+
+    arch = eagle3.arch_from_checkpoint(target, info["config"])
+    config, tensors = E.to_peer(arch, info["params"], info["buffers"], target.cfg, fmt, num_draft_tokens=int(k),
+                                verifier=verifier_of(target, model_name))
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; the export writes a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass --overwrite or choose another directory")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    tmp = out / "model.partial.safetensors"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})  # "pt": what transformers / vLLM expect in the header
+    os.replace(tmp, out / WEIGHTS_FILE)
+    os.chmod(out / WEIGHTS_FILE, 0o644)  # safetensors writes 0600; the serving side is often another user
+    tokenizer_files = write_tokenizer(target, out, model_name)
+    meta = {"format": fmt, "drafter": info["drafter"], "config": info["config"], "source": str(run.absolute()),
+            "step": info["step"], "target": info["target"] or ckpt.target_info(target),
+            "num_draft_tokens": int(k)}
+    (out / META_FILE).write_text(json.dumps(meta, indent=2))
+    (out / "README.md").write_text(model_card(run, run_cfg, meta, config, target, tokenizer_files))
+    return out
+
+
+def write_tokenizer(target, out: Path, model_name: str | None) -> list[str]:
+    """Copy a Hugging Face directory's tokenizer files, or write the target's tokenizer (e.g. built from a
+    GGUF) as tokenizer.json + tokenizer_config.json. Returns the files written (none: the target has no
+    tokenizer, e.g. a random test model)."""
+    src = Path(str(model_name)) if model_name else None
+    if src is not None and (src / "tokenizer.json").is_file():
+        names = [n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                             "chat_template.jinja", "vocab.json", "merges.txt") if (src / n).is_file()]
+        for n in names:
+            shutil.copy2(src / n, out / n)
+        return names
+    tok = getattr(target, "tokenizer", None)
+    backend = getattr(tok, "backend", None)
+    if backend is None:
+        return []
+    backend.save(str(out / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+           "pad_token": tok.pad_token, "model_max_length": target.cfg.max_position_embeddings}
+    if tok.chat_template:
+        cfg["chat_template"] = tok.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def model_card(run: Path, run_cfg: dict, meta: dict, config: dict, target, tokenizer_files: list[str]) -> str:
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+    train = run_cfg.get("train") or {}
+    data = run_cfg.get("data") or {}
+    datasets = ", ".join(f"{d.get('name')}" + (f" (limit {d['limit']})" if d.get("limit") else "")
+                         for d in data.get("datasets") or []) or "not recorded"
+    data_dir = train.get("data_dir")
+    data_summary = Path(data_dir) / "summary.json" if data_dir else None
+    examples = ""
+    if data_summary is not None and data_summary.is_file():
+        ds = json.loads(data_summary.read_text())
+        examples = f"; {ds.get('examples')} examples, {ds.get('response_tokens')} response tokens"
+    fmt = meta["format"]
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    final = summary.get("final_eval") or {}
+    verifier = verifier_of(target, (run_cfg.get("model") or {}).get("name"))["name_or_path"]
+    where = f" (`{data_dir}`{examples})" if data_dir else ""
+    lines = [
+        f"# EAGLE-3 drafter for {verifier} ({fmt} layout)",
+        "",
+        "Exported by specdec (`specdec export`) from a trained run; docs/EXPORT.md in specdec describes every field.",
+        "",
+        "| | |", "|---|---|",
+        f"| target | {verifier} ({target.cfg.num_layers} layers, hidden {target.cfg.hidden_size}, vocabulary "
+        f"{target.cfg.vocab_size}) |",
+        f"| target layers read (specdec taps) | {sorted(meta['config']['taps'])}; in this file's numbering: {ids} |",
+        f"| draft vocabulary | {config.get('draft_vocab_size')} |",
+        f"| training data | {datasets}{where} |",
+        f"| steps | {meta['step']} (status: {summary.get('status', 'unknown')}) |",
+        f"| source run | `{meta['source']}` |",
+    ]
+    if final:
+        lines += [f"| held-out expected tau (k={final.get('draft_len')}, T=1, teacher-forced) | "
+                  f"{final.get('expected_tau'):.3f} |",
+                  f"| held-out greedy tau | {final.get('greedy_tau'):.3f} |",
+                  f"| acceptance by draft position | {final.get('acceptance_by_step')} |"]
+    else:
+        lines.append("| held-out tau | not measured (the run has no final evaluation) |")
+    lines += ["", "Tau by dataset is not measured by training; `specdec run` / `specdec sweep` with this drafter "
+              "measure it per dataset.", ""]
+    lines += ["## Serving", ""]
+    if fmt == "vllm":
+        spec = json.dumps({"method": "eagle3", "model": "<this dir>",
+                           "num_speculative_tokens": meta["num_draft_tokens"]})
+        lines += ["```", f"vllm serve <target> --speculative-config '{spec}'", "```"]
+    else:
+        lines += ["```", "python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 "
+                  "--speculative-draft-model-path <this dir> --speculative-num-steps "
+                  f"{meta['num_draft_tokens']} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
+                  f"{meta['num_draft_tokens'] + 1}", "```"]
+    lines += ["", "No `embed_tokens`: the engine shares the target's embedding, as specdec's drafter does.",
+              "Tokenizer files: " + (", ".join(tokenizer_files) if tokenizer_files else
+                                     "none (the target has no tokenizer)") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of a directory's model.safetensors, or of the shards its index.json lists."""
+    from safetensors.numpy import load_file
+
+    if (path / INDEX_FILE).is_file():
+        try:
+            shards = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ckpt.CheckpointError(f"{path / INDEX_FILE} is corrupt ({type(e).__name__}: {e})") from None
+        files = [path / s for s in shards]
+    else:
+        files = [path / WEIGHTS_FILE]
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        if not f.is_file():
+            raise ckpt.CheckpointError(f"{path}: weights file {f.name} is missing")
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error type for truncated / foreign files
+            raise ckpt.CheckpointError(f"{f} cannot be read ({type(e).__name__}: {e})") from None
+    return tensors
+
+
+def is_export(path: str | os.PathLike) -> bool:
+    p = Path(path) / CONFIG_FILE
+    if not p.is_file():
+        return False
+    try:
+        return E.detect_format(json.loads(p.read_text())) is not None
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def load_export(path: str | os.PathLike, expect_name: str | None = None) -> dict:
+    """An exported (or peer-trained) EAGLE-3 directory in `load_drafter`'s form: {"drafter", "config", "target",
+    "params", "buffers", "step", "source"}, plus "embed" (a checkpoint's own embedding, None if absent)."""
+    p = Path(path)
+    try:
+        config = json.loads((p / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ckpt.CheckpointError(f"{p / CONFIG_FILE} cannot be read ({type(e).__name__}: {e})") from None
+    if E.detect_format(config) is None:
+        raise ckpt.CheckpointError(f"{p / CONFIG_FILE} is no EAGLE-3 drafter config (vLLM speculators or SGLang)")
+    if expect_name is not None and expect_name != "eagle3":
+        raise ckpt.CheckpointError(f"{p} holds an 'eagle3' drafter, not {expect_name!r}")
+    out = E.from_peer(config, read_tensors(p))
+    meta = json.loads((p / META_FILE).read_text()) if (p / META_FILE).is_file() else {}
+    target = {**out["dims"]}
+    if "num_layers" in meta.get("target", {}):
+        target["num_layers"] = meta["target"]["num_layers"]
+    return {"drafter": "eagle3", "config": out["config"], "target": target, "params": out["params"],
+            "buffers": out["buffers"], "step": int(meta.get("step", -1)), "source": f"{p} ({out['format']} layout)",
+            "embed": out["embed"]}
