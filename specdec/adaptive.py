@@ -83,9 +83,6 @@ class AdaptiveWidth:
     # decay 0.9 after a run of rejections) instead of never learning that the text turned copy-heavy.
     prior: float = 1.0
     prior_weight: float = 1.0
-    # A draft that costs less than this share of a plain decode step is always made when its lengths may steer
-    # the width (deterministic drafts, greedy decoding): `refine` then decides from the real draft.
-    cheap_draft: float = 0.05
     reprofile: bool = False  # measure the round costs again even if cached
     # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
     # replay a run with another machine's costs, or in tests. None: measure (cached).
@@ -146,17 +143,13 @@ class AdaptiveWidth:
         # a tree is verified whole or not at all (its node order is not a priority order)
         return (w == 0) | (w == num_nodes) if tree else jnp.ones(w.shape, bool)
 
-    def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool,
-             look: bool) -> jax.Array:
-        """Index into `widths` to draft for, from the history alone (0: skip the draft). `look`: `refine` will
-        see the draft's lengths."""
+    def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool) -> jax.Array:
+        """Index into `widths` to draft for, from the history alone (0: skip the draft)."""
         n = st.hits.shape[1]
         gain = self._rate(st.drafted, st.drafts) * self.survival(st)  # [B, N] P(j drafted and accepted)
         cum = jnp.concatenate([jnp.zeros_like(gain[:, :1]), jnp.cumsum(gain, axis=1)], axis=1)  # [B, N+1]
         value = jnp.sum(jnp.where(active[:, None], 1.0 + cum[:, jnp.asarray(widths)], 0.0), axis=0)
         best = self._best(value, st.round_cost, self._allowed(widths, n, tree))
-        if look:
-            best = jnp.where(st.draft_cost <= self.cheap_draft * st.round_cost[0], len(widths) - 1, best)
         return jnp.where(st.force_plan >= 0, st.force_plan, best)
 
     def refine(self, st: AdaptiveState, draft, planned: jax.Array, drafted: jax.Array, widths: tuple[int, ...],

@@ -97,8 +97,8 @@ def empty_draft(like: Draft) -> Draft:
     return dataclasses.replace(zeros, parents=parents, valid=jnp.zeros(like.tokens.shape, bool))
 
 
-def adaptive_plan(spec: LoopSpec, state: LoopState, look: bool) -> jax.Array:
-    return spec.scheduler.plan(state.sched, spec.verify_widths, ~state.done, spec.drafter.kind == "tree", look)
+def adaptive_plan(spec: LoopSpec, state: LoopState) -> jax.Array:
+    return spec.scheduler.plan(state.sched, spec.verify_widths, ~state.done, spec.drafter.kind == "tree")
 
 
 def adaptive_refine(spec: LoopSpec, state: LoopState, draft: Draft, planned, drafted) -> tuple[Draft, LoopState]:
@@ -110,7 +110,7 @@ def adaptive_refine(spec: LoopSpec, state: LoopState, draft: Draft, planned, dra
     return draft, dataclasses.replace(state, sched=sched)
 
 
-_jit_plan = jax.jit(adaptive_plan, static_argnames=("spec", "look"))
+_jit_plan = jax.jit(adaptive_plan, static_argnames=("spec",))
 _jit_refine = jax.jit(adaptive_refine, static_argnames=("spec",))
 
 
@@ -123,7 +123,7 @@ def propose_adaptive(spec: LoopSpec, dparams, state: LoopState, key) -> tuple[Dr
         return drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, key)
 
     if not drafter.jittable:  # host-stepped loop: decide on the host, call the drafter only when it drafts
-        planned = _jit_plan(spec, state, spec.sampling.greedy)  # whether its drafts are sampled is not known yet
+        planned = _jit_plan(spec, state)
         drafted = (not drafter.skippable) or spec.verify_widths[int(planned)] > 0
         if drafted:
             draft, dstate = run()
@@ -135,7 +135,7 @@ def propose_adaptive(spec: LoopSpec, dparams, state: LoopState, key) -> tuple[Dr
         return _jit_refine(spec, dataclasses.replace(state, drafter_state=dstate), draft, planned,
                            jnp.asarray(drafted))
     shapes = jax.eval_shape(run)
-    planned = adaptive_plan(spec, state, spec.sampling.greedy or shapes[0].probs is None)
+    planned = adaptive_plan(spec, state)
     if drafter.skippable:
         drafted = jnp.asarray(spec.verify_widths)[planned] > 0
         # the skip branch keeps the drafter's state (cast to the dtypes `propose` returns, as cond requires)
@@ -170,11 +170,13 @@ def bucket_widths(num_draft_tokens: int, buckets) -> tuple[int, ...]:
     return tuple(sorted(widths | {n}))
 
 
-def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, mask, need):
+def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, mask, need, width: int | None = None):
     """The target's verify forward over [root, nodes]. With `spec.verify_widths`, only the first
     1 + W tokens run, W the smallest width >= `need` (the last valid node of any active row), chosen inside the
     compiled program by `lax.switch`; logits and taps are zero-padded back to N + 1 positions. Nothing past W is
-    valid, so no policy accepts (or samples a bonus from) the padding."""
+    valid, so no policy accepts (or samples a bonus from) the padding. A static `width` runs that narrow step
+    directly: no conditional, so XLA updates the KV cache in place (a `lax.switch` branch copies every
+    layer's cache in and out, ~8% of a decode step here; docs/BENCHMARKS.md)."""
     if not spec.verify_widths:
         return spec.forward(tparams, spec.cfg, cache, tokens, positions, mask, taps=spec.drafter.taps)
     full = tokens.shape[1]
@@ -190,11 +192,13 @@ def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, ma
             return out._replace(logits=pad(out.logits, 1), hidden=pad(out.hidden, 1), taps=pad(out.taps, 2))
         return run
 
+    if width is not None:
+        return branch(width)(cache)
     index = jnp.searchsorted(jnp.asarray(spec.verify_widths, jnp.int32), need.astype(jnp.int32))
     return jax.lax.switch(index, [branch(w) for w in spec.verify_widths], cache)
 
 
-def verify_step(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
+def verify_step(spec: LoopSpec, tparams, state: LoopState, draft: Draft, width: int | None = None):
     """Step 2: the target over [root, nodes] (tree mask, positions = cache length + depth), as narrow as the
     active rows' valid nodes allow. Returns (the target's StepOutput, depth [B, N+1])."""
     batch, num_nodes = draft.tokens.shape
@@ -204,17 +208,24 @@ def verify_step(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
     positions = state.cache.lengths[:, None] + depth
     node_index = jnp.arange(1, num_nodes + 1)[None, :]
     need = jnp.max(jnp.where(draft.valid & ~state.done[:, None], node_index, 0))
-    return target_verify(spec, tparams, state.cache, tokens, positions, mask, need), depth
+    return target_verify(spec, tparams, state.cache, tokens, positions, mask, need, width), depth
 
 
-def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft):
-    """Steps 2-5 minus the drafter update. Returns (state, VerifyResult, target taps)."""
+def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, width: int | None = None):
+    """Steps 2-5 minus the drafter update. Returns (state, VerifyResult, target taps). A static `width` runs
+    that verify width without the bucket switch (the draft must have no valid node past it)."""
     batch, num_nodes = draft.tokens.shape
     key, sub = jax.random.split(state.key)
-    out, depth = verify_step(spec, tparams, state, draft)
-    result: VerifyResult = spec.policy.verify(draft, out.logits, spec.sampling, sub)
+    out, depth = verify_step(spec, tparams, state, draft, width)
+    if width == 0:  # nothing to verify: the target's token is drawn from p at the root, as every policy does then
+        token = sample(sub, out.logits[:, 0], spec.sampling)
+        result = VerifyResult(num_accepted=jnp.zeros((batch,), jnp.int32),
+                              tokens=jnp.full((batch, num_nodes + 1), -1, jnp.int32).at[:, 0].set(token),
+                              path=jnp.full((batch, num_nodes), -1, jnp.int32))
+    else:
+        result = spec.policy.verify(draft, out.logits, spec.sampling, sub)
     cache = out.cache
-    if spec.drafter.kind == "tree":
+    if spec.drafter.kind == "tree" and width != 0:
         cache = trees.compact_cache(cache, result.path, result.num_accepted)
 
     # Commit: accepted tokens + correction/bonus, cut after the first EOS and at max_new_tokens.
@@ -258,12 +269,31 @@ def update(spec: LoopSpec, dparams, state: LoopState, result: VerifyResult, taps
     return dataclasses.replace(state, drafter_state=dstate)
 
 
+def plain_round(spec: LoopSpec, tparams, dparams, state: LoopState, shapes) -> LoopState:
+    """A round at verify width 0 whose draft is skipped, run as a plain decode step: the same commit and
+    drafter update as any round (the policy samples the target's token from p at the root), but no draft and
+    no bucket switch. `shapes`: the drafter's draft, as `jax.eval_shape` of its propose gives it."""
+    key, _ = jax.random.split(state.key)  # what `propose` would have used: the same stream of keys
+    state = dataclasses.replace(state, key=key)
+    draft, state = adaptive_refine(spec, state, empty_draft(shapes), jnp.asarray(0, jnp.int32), jnp.asarray(False))
+    state, result, taps = verify_and_commit(spec, tparams, state, draft, width=0)
+    return update(spec, dparams, state, result, taps)
+
+
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def compiled_loop(spec: LoopSpec, tparams, dparams, state: LoopState) -> LoopState:
     def body(state):
         draft, state = propose(spec, dparams, state)
         state, result, taps = verify_and_commit(spec, tparams, state, draft)
-        return update(spec, dparams, state, result, taps)
+        state = update(spec, dparams, state, result, taps)
+        if isinstance(spec.scheduler, AdaptiveWidth) and spec.drafter.skippable:
+            # while the adaptive width would skip the draft, run plain decode steps in a loop of their own:
+            # as cheap as AR's step (no conditional around the cache), with the history still updated
+            shapes = jax.eval_shape(lambda: spec.drafter.propose(dparams, state.drafter_state, _context(state),
+                                                                 spec.sampling, state.key)[0])
+            skip = lambda s: ~jnp.all(s.done) & (adaptive_plan(spec, s) == 0)  # noqa: E731
+            state = jax.lax.while_loop(skip, lambda s: plain_round(spec, tparams, dparams, s, shapes), state)
+        return state
 
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
