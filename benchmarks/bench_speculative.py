@@ -57,8 +57,8 @@ from specdec.target import Target
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = Path(os.environ.get("SPECDEC_DATA", REPO.parent / "shared" / "data"))
 SUBSETS = ("mt_bench", "gsm8k", "humaneval")
-DEFAULT_DRAFTERS = ("ngram:k=6,max_ngram=3,scheduler=adaptive", "ngram:k=3,max_ngram=3", "suffix:k=8,scheduler=adaptive",
-                    "self_spec:k=3,num_layers=26,scheduler=adaptive")
+DEFAULT_DRAFTERS = ("ngram:k=6,max_ngram=3,scheduler=adaptive", "ngram:k=3,max_ngram=3",
+                    "suffix:k=8,scheduler=adaptive", "self_spec:k=3,num_layers=26,scheduler=adaptive")
 DEFAULT_POLICY = {"chain": "greedy_chain", "tree": "greedy_tree"}
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a Python "
                          "code block.\n\n```python\n{prompt}```")

@@ -302,8 +302,9 @@ def markdown_table(summary: dict) -> str:
                   f"{dv.get('source', 'n/a')})",
               f"- lossless check: {summary['lossless']['description']}"]
     if spec.get("width_rounds"):  # the adaptive verify width: its choices and its cost model vs the measurement
-        lines.append(f"- adaptive width: loop iterations by verify width {dict(zip(spec['verify_widths'], spec['width_rounds']))}"
-                     f", {spec['skipped_drafts']} skipped the draft; predicted "
+        by_width = dict(zip(spec["verify_widths"], spec["width_rounds"]))
+        lines.append(f"- adaptive width: loop iterations by verify width {by_width}, "
+                     f"{spec['skipped_drafts']} skipped the draft; predicted "
                      f"{_fmt(spec.get('predicted_tokens_per_second'), '.1f')} tok/s vs measured "
                      f"{_fmt(spec['tokens_per_second'], '.1f')}")
     for name, q in (summary.get("quality") or {}).items():

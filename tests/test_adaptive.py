@@ -84,7 +84,7 @@ def test_observe_counts_reached_and_accepted_positions():
 def adaptive_drafters(target):
     return {
         "ngram": create_drafter("ngram", target, 4, max_ngram=2),  # deterministic, skippable
-        "self_spec": create_drafter("self_spec", target, 4, num_layers=1),  # a draft LM: never skips
+        # a draft LM's tree: never skips (the chain draft LM is in the distribution test below)
         "tree": create_drafter("self_spec", target, 4, num_layers=1, tree_top_k=2, tree_depth=2),
         "suffix": create_drafter("suffix", target, 4),  # host-stepped loop
     }
@@ -95,9 +95,8 @@ def test_adaptive_greedy_equals_ar_with_rounds_of_every_width():
     ar = generate(target, PROMPTS, max_new_tokens=17)
     for name, drafter in adaptive_drafters(target).items():
         policy = "greedy_tree" if drafter.kind == "tree" else "greedy_chain"
-        # the draft LMs accept more, so verifying must cost more for width 0 to win sometimes; trees run
-        # widths 0 or 4 (then as narrow as the tree)
-        costs = {"tree": ((1.0, 1.5, 2.0, 2.5), 0.2), "self_spec": ((1.0, 2.0, 2.6, 3.0), 0.2)}.get(name, COSTS_4)
+        # trees run widths 0 or 4 (then as narrow as the tree)
+        costs = ((1.0, 1.5, 2.0, 2.5), 0.2) if name == "tree" else COSTS_4
         batch = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17,
                                      scheduler=AdaptiveWidth(costs=costs))
         assert batch.tokens == ar.tokens, name

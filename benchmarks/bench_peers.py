@@ -1,0 +1,200 @@
+"""specdec against its peers on the same weights and the same chat-templated prompts, in ONE run.
+
+Greedy, batch 1, each prompt decoded by:
+  * specdec AR (`specdec.generate.generate`) and specdec speculative decoding (--drafters, as in
+    bench_speculative.py: `name:k=...,scheduler=adaptive`), compile excluded by a warm-up;
+  * transformers (same GGUF, float32): plain greedy `generate` and prompt lookup (`prompt_lookup_num_tokens`);
+  * llama.cpp through llama-cpp-python (optional: `pip install llama-cpp-python`, builds from source in a few
+    minutes), on a float32 GGUF written from the model's own GGUF with the `gguf` package (every tensor
+    dequantized; the same float32 weights specdec runs), plain and with its prompt-lookup draft model
+    (`LlamaPromptLookupDecoding`), `--threads` threads (default: all cores).
+
+Peers time their whole call, prefill included, so every tok/s here is new tokens / (prefill + decode); the
+ratios printed at the end (specdec / peer) are from this one run on this machine. Greedy outputs are compared
+token for token with specdec's AR (transformers and llama.cpp accumulate float32 differently, so a long
+output may drift at a near-tie; the count of identical prompts is printed).
+
+    python benchmarks/bench_peers.py [--prompts quickstart] [--max-new-tokens 128] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_speculative import (DEFAULT_POLICY, DrafterSpec, hf_model, run_ar, run_hf_prompt_lookup,  # noqa: E402
+                               run_spec, write_json)
+
+from drafters import create_drafter  # noqa: E402
+from specdec.models import registry  # noqa: E402
+from specdec.prompts import builtin  # noqa: E402
+from specdec.target import load_target  # noqa: E402
+
+DEFAULT_DRAFTERS = ("ngram:k=6,max_ngram=3,scheduler=adaptive", "ngram:k=3,max_ngram=3",
+                    "suffix:k=8,scheduler=adaptive")
+
+
+def write_f32_gguf(src: Path, dst: Path) -> Path:
+    """The GGUF `src` with every tensor dequantized to float32 (metadata copied), for llama.cpp."""
+    import gguf
+
+    if dst.is_file():
+        return dst
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst) + ".partial", arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name == "general.file_type":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, value, vtype)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        data = gguf.dequantize(t.data, t.tensor_type).astype(np.float32)
+        writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]),
+                          raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(str(dst) + ".partial", dst)
+    return dst
+
+
+def run_llama_cpp(gguf_path: Path, prompts, max_new: int, eos, threads: int, lookup: int = 0):
+    """llama.cpp greedy on token-id prompts; lookup > 0: prompt-lookup drafting of that many tokens."""
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                          n_batch=512, verbose=False, draft_model=draft, logits_all=bool(lookup))
+
+    def one(p):
+        llm.reset()
+        out = []
+        for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
+            out.append(int(tok))
+            if tok in eos or len(out) >= max_new:
+                break
+        return out
+
+    one(prompts[0][:8])  # warm-up
+    outputs, seconds = [], 0.0
+    for p in prompts:
+        t0 = time.perf_counter()
+        outputs.append(one(p))
+        seconds += time.perf_counter() - t0
+    tokens = sum(len(o) for o in outputs)
+    return outputs, {"new_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def run_hf_plain(gguf_path: str, prompts, max_new: int, eos):
+    import torch
+
+    model = hf_model(gguf_path)
+    kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=max_new, eos_token_id=list(eos) or None,
+                  pad_token_id=eos[0] if eos else 0)
+    outputs, seconds = [], 0.0
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            seconds += time.perf_counter() - t0
+            outputs.append(out[0, ids.shape[1]:].tolist())
+    tokens = sum(len(o) for o in outputs)
+    return outputs, {"new_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=registry.DEFAULT_MODEL, help="registry name or .gguf path")
+    ap.add_argument("--prompts", default="quickstart", help="built-in prompt set")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--drafters", nargs="+", default=list(DEFAULT_DRAFTERS))
+    ap.add_argument("--lookup-tokens", type=int, default=10, help="prompt-lookup draft length of the peers")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--json", metavar="OUT")
+    args = ap.parse_args(argv)
+
+    load_at_start = os.getloadavg()
+    gguf_path = registry.resolve(args.model)
+    if gguf_path.suffix != ".gguf":
+        raise SystemExit(f"error: the peers need a .gguf model, got {gguf_path}")
+    target = load_target(args.model)
+    eos = tuple(target.eos_token_ids)
+    texts = builtin(args.prompts)
+    prompts = [target.tokenizer.encode_chat(text) for _, text in texts]
+    print(f"# {target.cfg.name}; {len(prompts)} prompts ({args.prompts}), greedy, batch 1, {args.max_new_tokens} "
+          f"new tokens; {os.cpu_count()} CPUs, load avg {load_at_start[0]:.2f}", flush=True)
+    rows = []
+
+    def add(method, outputs, new_tokens, seconds, ref):
+        same = sum(a == b for a, b in zip(outputs, ref))
+        rows.append({"method": method, "tok_s": new_tokens / seconds, "new_tokens": new_tokens,
+                     "seconds": seconds, "same_as_specdec_ar": f"{same}/{len(ref)}"})
+        print(f"  {method:45s} {rows[-1]['tok_s']:6.1f} tok/s (incl. prefill)  same as specdec AR "
+              f"{rows[-1]['same_as_specdec_ar']}", flush=True)
+
+    groups = [[p] for p in prompts]
+    ar_tokens, ar = run_ar(target, groups, args.max_new_tokens)
+    add("specdec AR", ar_tokens, ar.new_tokens, ar.decode_seconds + ar.prefill_seconds, ar_tokens)
+    for text in args.drafters:
+        spec = DrafterSpec.parse(text)
+        drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
+        policy = spec.policy or DEFAULT_POLICY[drafter.kind]
+        tokens, m = run_spec(target, drafter, policy, groups, args.max_new_tokens, spec.buckets, spec.scheduler)
+        add(f"specdec {spec.label}", tokens, m.new_tokens, m.decode_seconds + m.prefill_seconds, ar_tokens)
+    if not args.skip_transformers:
+        out, r = run_hf_plain(str(gguf_path), prompts, args.max_new_tokens, eos)
+        add("transformers greedy", out, r["new_tokens"], r["seconds"], ar_tokens)
+        out, r = run_hf_prompt_lookup(str(gguf_path), prompts, args.max_new_tokens, eos, args.lookup_tokens)
+        add(f"transformers prompt lookup ({args.lookup_tokens})", out, r["new_tokens"], r["seconds"], ar_tokens)
+    if not args.skip_llama_cpp:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp skipped")
+        else:
+            f32 = write_f32_gguf(gguf_path, gguf_path.with_name(gguf_path.stem + ".f32.gguf"))
+            for lookup in (0, args.lookup_tokens):
+                out, r = run_llama_cpp(f32, prompts, args.max_new_tokens, eos, args.threads, lookup)
+                name = f"llama.cpp f32 prompt lookup ({lookup})" if lookup else "llama.cpp f32 greedy"
+                add(name, out, r["new_tokens"], r["seconds"], ar_tokens)
+
+    print("\n| method | tok/s (incl. prefill) | x specdec AR | same as specdec AR |\n|---|---|---|---|")
+    base = rows[0]["tok_s"]
+    for r in rows:
+        print(f"| {r['method']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['same_as_specdec_ar']} |")
+    peers = {r["method"]: r["tok_s"] for r in rows if not r["method"].startswith("specdec")}
+    ours = {r["method"]: r["tok_s"] for r in rows if r["method"].startswith("specdec")}
+    if peers:
+        print("\nspecdec / peer (tok/s ratios, this run):")
+        best_ours = max(ours, key=ours.get)
+        for peer, tok_s in peers.items():
+            print(f"  specdec AR / {peer}: {ours['specdec AR'] / tok_s:.2f}   best specdec ({best_ours}) / {peer}: "
+                  f"{ours[best_ours] / tok_s:.2f}")
+    if args.json:
+        write_json(args.json, {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                               "command": " ".join(["python", "benchmarks/bench_peers.py", *(argv or sys.argv[1:])]),
+                               "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
