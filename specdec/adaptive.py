@@ -125,9 +125,20 @@ class AdaptiveWidth:
     def _rate(self, num, den):
         return (num + self.prior_weight * self.prior) / (den + self.prior_weight)
 
+    def acceptance(self, st: AdaptiveState) -> jax.Array:
+        """P(position j accepted | j verified and j-1 accepted), per row: [B, N]. Position 1's prior is `prior`;
+        a deeper position's prior is the estimate of the position before it, so positions a row never reaches
+        (every draft rejected early) inherit its poor early estimate instead of an optimistic constant."""
+        prior = jnp.full(st.hits.shape[:1], self.prior, jnp.float32)
+        rates = []
+        for j in range(st.hits.shape[1]):  # static loop over draft positions
+            prior = (st.hits[:, j] + self.prior_weight * prior) / (st.reached[:, j] + self.prior_weight)
+            rates.append(prior)
+        return jnp.stack(rates, axis=1)
+
     def survival(self, st: AdaptiveState) -> jax.Array:
         """P(positions 1..j all accepted | drafted), from the conditional estimates: [B, N]."""
-        return jnp.cumprod(self._rate(st.hits, st.reached), axis=1)
+        return jnp.cumprod(self.acceptance(st), axis=1)
 
     # -- decisions ---------------------------------------------------------------------------------------
 

@@ -41,9 +41,11 @@ def test_plan_and_refine_golden():
     drafts = [[10], [10]]
     active = jnp.asarray([True, True])
     st = state_with(sched, hits, reached, drafted, drafts, ((1.0, 1.2, 1.5), 0.1))
-    # row 0: rates 1 -> value 1 + W; row 1: position 1 rate 1/11, later positions unobserved (prior 1)
+    # row 0: rates 1 -> value 1 + W; row 1: position 1 rate 1/11, later positions unobserved, so they inherit
+    # position 1's rate: survival r, r^2, r^3
     r = 1 / 11
-    theta = [2 / 1.0, (2 + 1 + r) / 1.2, (4 + 1 + 3 * r) / 1.5]
+    np.testing.assert_allclose(np.asarray(sched.acceptance(st))[1], [r, r, r], rtol=1e-6)
+    theta = [2 / 1.0, (2 + 1 + r) / 1.2, (4 + 1 + r + r ** 2 + r ** 3) / 1.5]
     assert int(sched.plan(st, widths, active, tree=False)) == int(np.argmax(theta)) == 2
     expensive = state_with(sched, hits, reached, drafted, drafts, ((1.0, 5.0, 10.0), 0.1))
     assert int(sched.plan(expensive, widths, active, tree=False)) == 0
@@ -114,7 +116,7 @@ def test_adaptive_sampled_output_matches_target_distribution():
     target = distribution_target()
     exact = exact_joint(target, 3)
     # widths (0, 1, 3) of a 3-node draft. Round 1 (prior estimates, value 1 + W per row) verifies 1 node; the
-    # rows that rejected it (position-1 estimate now 1/2) are the only ones left for round 2, which skips.
+    # rows that rejected it (acceptance estimates now 1/2) are the only ones left for round 2, which skips.
     costs = ((1.0, 1.55, 3.5), 0.3)
     for drafter in (create_drafter("self_spec", target, 3, num_layers=1),
                     create_drafter("ngram", target, 3, max_ngram=1)):
