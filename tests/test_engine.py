@@ -1,6 +1,7 @@
 """The speculative engine is lossless: greedy output equals AR token for token, sampled output follows the
 target distribution, and stopping (EOS inside an accepted draft, max_new_tokens) is exact."""
 
+import dataclasses
 import itertools
 import types
 
@@ -17,6 +18,7 @@ from specdec.generate import generate
 from specdec.models.config import tiny_config
 from specdec.sampling import SamplingParams, probabilities
 from specdec.target import random_target
+from specdec.verify import Draft
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
 
@@ -70,23 +72,32 @@ def test_oracle_tree_with_every_candidate_accepts_full_depth():
     assert out.metrics.tau > 3.5
 
 
-def test_host_stepped_loop_equals_compiled_loop():
+def test_host_stepped_loop_equals_compiled_loop(monkeypatch):
+    """Same output and metrics; `on_round` sees every round, and its time is billed to nothing (a clock that
+    only moves inside the callback leaves draft, verify and decode time at 0)."""
+    from specdec import engine
+
     target = make_target(4)
     drafter = create_drafter("self_spec", target, 3, num_layers=1)
     a = speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, compiled=True)
-    seen = []
-    b = speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, compiled=False,
-                             on_round=lambda draft, conf, result, active: seen.append(
-                                 (conf, int(np.sum(np.asarray(result.num_accepted)[np.asarray(active)])),
-                                  int(np.sum(active)))))
-    assert a.tokens == b.tokens
-    assert a.metrics.rounds == b.metrics.rounds
-    # on_round saw every round: its active rows and accepted tokens add up to the metrics
+    seen, clock = [], [0.0]
+
+    def on_round(draft, conf, result, active):
+        clock[0] += 100.0
+        seen.append((conf, int(np.sum(np.asarray(result.num_accepted)[np.asarray(active)])), int(np.sum(active))))
+
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    b = speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, compiled=False, on_round=on_round)
+    assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
+    timing = ("prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds")
+    counts = [{k: v for k, v in dataclasses.asdict(m).items() if k not in timing} for m in (a.metrics, b.metrics)]
+    assert counts[0] == counts[1]
+    # on_round saw every round: its active rows add up to the rounds, its accepted drafts bound the committed
     assert sum(n for _, _, n in seen) == b.metrics.rounds and all(c is None for c, _, _ in seen)
-    assert sum(acc for _, acc, _ in seen) == b.metrics.accepted_draft_tokens
+    assert sum(acc for _, acc, _ in seen) >= b.metrics.accepted_draft_tokens
+    assert (b.metrics.draft_seconds, b.metrics.verify_seconds, b.metrics.decode_seconds) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="on_round needs the host-stepped loop"):
         speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, on_round=print)
-    assert b.metrics.draft_seconds is not None and b.metrics.verify_seconds is not None
 
 
 def test_narrow_verify_step_equals_the_full_step_on_its_positions():
@@ -152,7 +163,10 @@ def test_eos_inside_accepted_draft_ends_row_exactly_there():
     oracle = DraftLMDrafter(target.cfg, target.params, 5, name="oracle_lm")  # accepts everything
     out = speculative_generate(target, oracle, PROMPTS, max_new_tokens=16)
     assert out.tokens == ar.tokens
-    assert out.metrics.acceptance_rate == 1.0  # so the EOS really was inside an accepted draft
+    # the oracle's drafts are always accepted (wherever a verdict was committed), and row 0 ended inside
+    # its first round's accepted drafts: it committed fewer than the N + 1 tokens a full round does
+    assert out.metrics.acceptance_by_position()["conditional"] == [1.0] * 5
+    assert out.accept_lengths[0] == [len(ar.tokens[0]) - 1] and len(ar.tokens[0]) - 1 < 6
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 7, 11])
@@ -169,12 +183,87 @@ def test_ragged_acceptance_metrics_are_consistent():
     out = speculative_generate(target, create_drafter("ngram", target, 4), PROMPTS, max_new_tokens=20)
     m = out.metrics
     assert m.new_tokens == sum(len(t) for t in out.tokens)
-    # committed tokens after the prefill token = accepted drafts + one target token per round (minus truncation)
-    assert m.new_tokens - len(PROMPTS) <= m.accepted_draft_tokens + m.rounds
-    assert m.position_accepted[0] == sum(m.position_accepted[:1])
+    # every committed token after the prefill token is an accepted draft or the one target token of its round
+    assert m.new_tokens - len(PROMPTS) == m.accepted_draft_tokens + m.rounds
+    assert [sum(a) for a in out.accept_lengths] == [len(t) - 1 for t in out.tokens]
+    assert sum(len(a) for a in out.accept_lengths) == m.rounds
     assert all(a >= b for a, b in zip(m.position_accepted, m.position_accepted[1:]))
     assert m.accepted_draft_tokens == sum(m.position_accepted)
-    assert 1.0 <= m.tau <= 5.0
+    assert all(a <= e <= p for a, e, p in zip(m.position_accepted, m.position_eligible, m.position_proposed))
+    assert m.position_proposed[0] < m.rounds  # n-gram misses: the per-position counts see unproposed rounds
+    assert m.tau == pytest.approx(1 + sum(m.acceptance_by_position()["survival"]))
+
+
+class ScriptedDrafter:
+    """A host-side chain drafter that plays a script: in its r-th active round row b proposes `valid` nodes
+    of which the first `correct` are the target's own greedy continuation (`oracle`, free of EOS) and the rest
+    wrong, with confidences `conf` (for the threshold scheduler). Every round's outcome is then known."""
+
+    def __new__(cls, oracle, script, num_draft_tokens=4, vocab=256):
+        from specdec.drafter import Drafter
+
+        class Scripted(Drafter):
+            name, kind, jittable, has_confidence = "scripted", "chain", False, True
+
+            def init(self, params, prompt, capacity):
+                return {"round": [0] * len(oracle), "prompt": np.asarray(prompt.lengths).tolist(), "conf": None}
+
+            def propose(self, params, state, ctx, sampling, key):
+                n, done, seq_len = num_draft_tokens, np.asarray(ctx.done), np.asarray(ctx.seq_len)
+                tokens, valid = np.zeros((len(oracle), n), np.int32), np.zeros((len(oracle), n), bool)
+                conf = np.ones((len(oracle), n), np.float32)
+                for b in range(len(oracle)):
+                    if done[b]:
+                        continue
+                    v, c, cf = script[b][state["round"][b]]
+                    at = seq_len[b] - state["prompt"][b]  # tokens generated so far
+                    truth = oracle[b][at: at + n]
+                    tokens[b] = [t if i < c else (t + 1) % vocab for i, t in enumerate(truth)]
+                    valid[b, :v], conf[b] = True, cf
+                    state["round"][b] += 1
+                return Draft.chain(tokens, valid=valid), {**state, "conf": conf}
+
+            def draft_confidence(self, state):
+                return jnp.asarray(state["conf"])
+
+        d = Scripted()
+        d.num_draft_tokens = num_draft_tokens
+        return d
+
+
+def test_metrics_golden_position_by_position():
+    """Two rows, greedy, a threshold scheduler. Row 0 stops at an EOS inside accepted drafts, row 1 at
+    max_new_tokens = 14 cutting its last round. Per round (valid nodes, correct nodes -> accepted, committed):
+      row 0: (4, 1 -> 1, 2); (2 varying length, 4 -> 2, 3); (4 but the scheduler keeps 3, 4 -> 3, 4);
+             (4, 4 -> 4, but EOS is the 3rd draft: commits 3, counted as 2 accepted + the round's token)
+      row 1: (0 an empty draft -> 0, 1); (4, 0 -> 0, 1); (4, 4 -> 4, 5); (4, 2 -> 2, 3);
+             (4, 4 -> 4, but 3 tokens are left: commits 3, counted 2 + 1)
+    Per position j: proposed = rounds with a node at j; accepted = rounds that committed draft j; eligible =
+    rounds where j was proposed and j-1 accepted with j's verdict committed (not in a cut's shadow)."""
+    from specdec.scheduling import Scheduler
+
+    free = generate(make_target(5, eos_token_ids=()), PROMPTS[:2], max_new_tokens=20).tokens
+    eos = free[0][12]
+    assert eos not in free[0][:12] and eos not in free[1][:14]  # row 0 ends at token 12, row 1 never
+    target = make_target(5, eos_token_ids=(eos,))
+    ones, cut3 = [1.0] * 4, [0.9, 0.8, 0.7, 0.1]
+    script = [[(4, 1, ones), (2, 4, ones), (4, 4, cut3), (4, 4, ones)],
+              [(0, 0, ones), (4, 0, ones), (4, 4, ones), (4, 2, ones), (4, 4, ones)]]
+    out = speculative_generate(target, ScriptedDrafter(free, script), PROMPTS[:2], max_new_tokens=14,
+                               scheduler=Scheduler("threshold", threshold=0.5))
+    assert out.tokens == generate(target, PROMPTS[:2], max_new_tokens=14).tokens
+    assert out.tokens == [free[0][:13], free[1][:14]]
+    assert out.accept_lengths == [[2, 3, 4, 3], [1, 1, 5, 3, 3]]
+    m = out.metrics
+    assert (m.rounds, m.new_tokens, m.accepted_draft_tokens, m.proposed_draft_tokens) == (9, 27, 16, 29)
+    assert m.position_proposed == [8, 8, 7, 6]
+    assert m.position_accepted == [7, 6, 2, 1]
+    assert m.position_eligible == [8, 7, 3, 1]
+    acc = m.acceptance_by_position()
+    assert acc["survival"] == [7 / 9, 6 / 9, 2 / 9, 1 / 9]
+    assert acc["conditional"] == [7 / 8, 6 / 7, 2 / 3, 1.0]
+    assert acc["proposal_rate"] == [8 / 9, 8 / 9, 7 / 9, 6 / 9]
+    assert m.tau == 1 + m.accepted_draft_tokens / m.rounds
 
 
 def test_unknown_drafter_and_bad_params_are_clear_errors():
