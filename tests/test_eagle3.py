@@ -191,3 +191,11 @@ def test_greedy_eagle3_dynamic_tree_equals_ar(target):
     ar = generate(target, PROMPTS, max_new_tokens=17)
     out = speculative_generate(target, tree, PROMPTS, policy="greedy_tree", max_new_tokens=17)
     assert out.tokens == ar.tokens
+
+
+def test_eagle3_tree_levels_fit_at_the_context_edge(target, monkeypatch):
+    from tests.test_engine import assert_tree_levels_fit_at_the_context_edge
+
+    _, _, _, chain = make(target, 64, k=2)
+    tree = eagle3.Eagle3TreeDrafter(chain.arch, chain.params, 2, top_k=3, depth=5)
+    assert_tree_levels_fit_at_the_context_edge(target, tree, monkeypatch)

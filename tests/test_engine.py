@@ -16,7 +16,7 @@ from drafters.draft_lm import DraftLMDrafter, DraftLMTreeDrafter
 from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.models.config import tiny_config
-from specdec.sampling import SamplingParams, probabilities
+from specdec.sampling import GREEDY, SamplingParams, probabilities
 from specdec.target import random_target
 from specdec.verify import Draft
 
@@ -61,6 +61,54 @@ def test_dynamic_tree_drafts_are_lossless_and_compacted(policy):
                         DraftLMTreeDrafter(target.cfg, target.params, 8, top_k=2, depth=4, name="oracle_tree")):
             out = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17)
             assert out.tokens == ar.tokens, (seed, drafter.name, policy)
+
+
+def tree_scores_at_the_context_edge(target, drafter, capacity: int, monkeypatch) -> np.ndarray:
+    """The candidate scores of one tree proposal right after prefill, from a context as long as the engine
+    allows in `capacity` slots (P prompt tokens + the first token = 64 - N - 2, the engine's bound for 64),
+    captured where the drafter hands them to `trees.select_dynamic_tree` (and returned from the same jit)."""
+    from specdec import trees
+    from specdec.drafter import PromptInfo, RoundContext
+    from specdec.generate import pad_prompts, prefill
+
+    length = 64 - drafter.num_draft_tokens - 3
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 200, length)]
+    tokens, lengths = (jnp.asarray(x) for x in pad_prompts([prompt], 0))
+    logits, taps, _ = prefill(target.params, target.init_cache(1, capacity), tokens, lengths,
+                              forward=target.forward, cfg=target.cfg, taps=drafter.taps)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    state = drafter.init(drafter.params, PromptInfo(tokens, lengths, taps, first), capacity)
+    seq = jnp.zeros((1, capacity), jnp.int32).at[0, :length].set(jnp.asarray(prompt)).at[0, length].set(first[0])
+    seen, select = [], trees.select_dynamic_tree
+    monkeypatch.setattr(trees, "select_dynamic_tree", lambda t, p, scores, n: seen.append(scores)
+                        or select(t, p, scores, n))
+
+    @jax.jit
+    def scores(params, state, ctx):
+        drafter.propose(params, state, ctx, GREEDY, jax.random.PRNGKey(0))
+        return seen[-1]
+
+    out = scores(drafter.params, state, RoundContext(seq, lengths + 1, jnp.zeros(1, bool)))
+    monkeypatch.undo()
+    return np.asarray(out)
+
+
+def assert_tree_levels_fit_at_the_context_edge(target, drafter, monkeypatch):
+    """At the longest context the engine allows in a 64-slot cache, a tree proposal scores its candidates as
+    it does with room to spare (128 slots). A 3-wide, 5-deep expansion writes 12 nodes past the committed
+    tokens, more than the 2 (N + 2) slots of the engine's slack plus the chain's N + 2 of draft-cache slack: a
+    cache sized for the chain had its last level's writes shifted back over committed K/V (`write_rows`),
+    and the deep scores changed."""
+    assert drafter.num_draft_tokens == 2 and (drafter.top_k, drafter.depth) == (3, 5)
+    edge = tree_scores_at_the_context_edge(target, drafter, 64, monkeypatch)
+    roomy = tree_scores_at_the_context_edge(target, drafter, 128, monkeypatch)
+    np.testing.assert_allclose(edge, roomy, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_lm_tree_levels_fit_at_the_context_edge(monkeypatch):
+    target = make_target(3, eos_token_ids=())
+    drafter = DraftLMTreeDrafter(target.cfg, target.params, 2, top_k=3, depth=5, name="oracle_tree")
+    assert_tree_levels_fit_at_the_context_edge(target, drafter, monkeypatch)
 
 
 def test_oracle_tree_with_every_candidate_accepts_full_depth():
