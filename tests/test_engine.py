@@ -14,7 +14,7 @@ from scipy import stats
 from drafters import create_drafter
 from drafters.draft_lm import DraftLMDrafter, DraftLMTreeDrafter
 from specdec.engine import speculative_generate
-from specdec.generate import generate
+from specdec.generate import cache_capacity, generate, pad_prompts
 from specdec.models.config import tiny_config
 from specdec.sampling import GREEDY, SamplingParams, probabilities
 from specdec.target import random_target
@@ -451,3 +451,77 @@ def test_biased_engines_fail_the_distribution_test(monkeypatch, module, name, br
     finally:
         jax.clear_caches()
     assert_biased(counts, impossible)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drafters sample from the q they return
+# ---------------------------------------------------------------------------------------------------------
+
+DRAFT_SAMPLING = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
+DRAFT_ROWS = 4000
+
+
+def draft_fit(target, drafter, sampling=DRAFT_SAMPLING, rows=DRAFT_ROWS, prompt=PROMPTS[0]):
+    """One proposal for `rows` copies of one prompt (the engine's prefill, drafter init and propose): rows are
+    independent draws, so at each draft position j the rows sharing the root (the first token, sampled from the
+    prefill) and the drafted prefix x_<j share q_j, and
+    their x_j must be distributed as that q_j. Returns (chi-square p-value pooled over every (j, prefix)
+    group with >= 50 rows, the largest TV over positions j between the frequencies of x_j and the rows' mean
+    q_j, drafted tokens with q_j = 0, rows whose q_j differs from their group's)."""
+    from specdec import engine
+
+    spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=None, sampling=sampling,
+                           eos_ids=())
+    tokens, lengths = pad_prompts([prompt] * rows, 0)
+    capacity = cache_capacity(lengths, 8, extra=drafter.num_draft_tokens + 1)
+    state = engine.start(spec, target, drafter, target.init_cache(rows, capacity), tokens, lengths, capacity, 8, 0)
+    draft, _ = engine._jit_propose(spec, drafter.params, state)
+    x, q = np.asarray(draft.tokens), np.asarray(draft.probs, np.float64)
+    assert np.asarray(draft.valid).all() and np.allclose(q.sum(-1), 1, atol=1e-4)
+    impossible = int(np.sum(np.take_along_axis(q, x[..., None], -1) == 0))
+    root = np.asarray(state.seq)[np.arange(rows), np.asarray(state.seq_len) - 1]  # sampled from prefill: varies
+    context = np.concatenate([root[:, None], x], axis=1)
+    stat, dof, worst_tv, inconsistent = 0.0, 0, 0.0, 0
+    for j in range(x.shape[1]):
+        groups: dict[bytes, list[int]] = {}
+        for b, prefix in enumerate(context[:, : j + 1]):
+            groups.setdefault(prefix.tobytes(), []).append(b)
+        for members in groups.values():
+            qj = q[members[0], j]
+            inconsistent += int(np.sum(~np.isclose(q[members, j], qj, atol=1e-5).all(-1)))
+            if len(members) < 50:
+                continue
+            counts = np.bincount(x[members, j], minlength=len(qj))
+            support = qj > 0
+            expected = len(members) * qj[support]
+            stat += float(np.sum((counts[support] - expected) ** 2 / expected))
+            dof += int(support.sum()) - 1
+        # all rows: the frequencies of x_j against the mixture of the rows' q_j
+        freq = np.bincount(x[:, j], minlength=q.shape[-1]) / rows
+        worst_tv = max(worst_tv, 0.5 * float(np.abs(freq - q[:, j].mean(0)).sum()))
+    return float(stats.chi2.sf(stat, max(dof, 1))), worst_tv, impossible, inconsistent
+
+
+def assert_draft_matches_its_q(target, drafter, **options):
+    """A drafter's returned q is the law its tokens were drawn from (at T=0.7 with top-k and top-p): a q that
+    is not what it sampled from would silently break rejection sampling. TV < 0.04 per position (the noise
+    of 4000 rows over the ~10-30 tokens a position's mixture covers is ~0.01-0.02)."""
+    p_value, tv, impossible, inconsistent = draft_fit(target, drafter, **options)
+    assert impossible == 0 and inconsistent == 0, (impossible, inconsistent)
+    assert p_value > P_VALUE_MIN and tv < 0.04, (p_value, tv)
+
+
+def test_draft_lm_samples_from_its_q(monkeypatch):
+    """... and the check has power: a q that forgets top-p (tokens still drawn with it) fails it."""
+    target = make_target(1)
+    drafter = create_drafter("self_spec", target, 3, num_layers=1)
+    assert_draft_matches_its_q(target, drafter)
+    import drafters.draft_lm
+
+    monkeypatch.setattr(drafters.draft_lm, "probabilities", q_without_top_p)
+    jax.clear_caches()
+    try:
+        p_value, *_ = draft_fit(target, drafter)
+    finally:
+        jax.clear_caches()
+    assert p_value < 1e-6, p_value
