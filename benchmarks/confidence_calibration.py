@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
     tok = target.tokenizer
     prompts = [tok.encode_chat(t) for s in SUBSETS for t in load_prompts(s, args.n, args.data)]
     calibrated = create_drafter("dspark", target, args.k, path=args.dspark)
-    fitted = {k: calibrated.params[k] for k in ("conf_temperature", "conf_temperature_greedy") if k in calibrated.params}
+    fitted = {k: v for k, v in calibrated.params.items() if k in ("conf_temperature", "conf_temperature_greedy")}
     raw_params = {**calibrated.params, **{k: jnp.ones_like(v) for k, v in fitted.items()}}
     variants = {"dspark calibrated": calibrated,
                 "dspark before calibration": DSparkDrafter(calibrated.arch, raw_params, args.k)}
