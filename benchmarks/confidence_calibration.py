@@ -9,8 +9,12 @@ positions 0..j all survived). Then, pooled over rounds and positions and per pos
   AUROC  P(a of an accepted position > a of a rejected one) (ties count 1/2): does a rank acceptance?
   ECE    10 equal-width bins, sum of |mean a - accept rate| x bin share: is a a probability?
 
-"before calibration" is the same DSpark drafter with its fitted per-slot temperatures set to 1 (the raw
-confidence head); the temperatures change only confidences, never drafts, so both see identical rounds.
+Each --temperatures value is reported separately: DSpark fits one set of per-slot temperatures for greedy
+verification (T = 0: accepted iff the argmaxes agree) and one for sampled verification (T = 1), and drafts with
+the set of the temperature in use (`dspark.confidence_temperatures`), so the T = 0 rows show the greedy fit's
+ECE and the T > 0 rows the sampled fit's. "before calibration" is the same DSpark drafter with both sets of
+temperatures at 1 (the raw confidence head); the temperatures change only confidences, never drafts, so both
+see identical rounds.
 
     SPECDEC_CACHE=... python benchmarks/confidence_calibration.py runs/train/dspark [--dflash runs/train/dflash] \
         [--n 4] [--max-new-tokens 64] [--temperatures 0 1] [--json docs/results/confidence/summary.json]
@@ -88,7 +92,8 @@ def main(argv=None) -> dict:
     tok = target.tokenizer
     prompts = [tok.encode_chat(t) for s in SUBSETS for t in load_prompts(s, args.n, args.data)]
     calibrated = create_drafter("dspark", target, args.k, path=args.dspark)
-    raw_params = {**calibrated.params, "conf_temperature": jnp.ones_like(calibrated.params["conf_temperature"])}
+    fitted = {k: v for k, v in calibrated.params.items() if k in ("conf_temperature", "conf_temperature_greedy")}
+    raw_params = {**calibrated.params, **{k: jnp.ones_like(v) for k, v in fitted.items()}}
     variants = {"dspark calibrated": calibrated,
                 "dspark before calibration": DSparkDrafter(calibrated.arch, raw_params, args.k)}
     if args.dflash:
@@ -96,7 +101,7 @@ def main(argv=None) -> dict:
     summary = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                "command": " ".join(["python", "benchmarks/confidence_calibration.py"]
                                    + (argv if argv is not None else sys.argv[1:])),
-               "temperatures_fitted": np.asarray(calibrated.params["conf_temperature"]).tolist(),
+               "temperatures_fitted": {k: np.asarray(v).tolist() for k, v in fitted.items()},
                "prompts": len(prompts), "k": args.k, "max_new_tokens": args.max_new_tokens, "rows": []}
     for temp in args.temperatures:
         sampling = SamplingParams(temperature=temp)

@@ -32,8 +32,12 @@ class DraftLMDrafter(Drafter):
         self.cfg, self.name, self.num_draft_tokens = cfg, name, num_draft_tokens
         self.params = transformer.unstack_layers(params)  # the fast layout on XLA:CPU
 
+    def cache_slack(self) -> int:
+        """Draft cache slots past the engine's `capacity`: room for the drafted positions of a round."""
+        return self.num_draft_tokens + 2
+
     def init(self, params, prompt: PromptInfo, capacity: int):
-        cache = transformer.init_cache(self.cfg, prompt.tokens.shape[0], capacity + self.num_draft_tokens + 2)
+        cache = transformer.init_cache(self.cfg, prompt.tokens.shape[0], capacity + self.cache_slack())
         out = transformer.forward(params, self.cfg, cache, prompt.tokens, logits_at=(prompt.lengths - 1)[:, None])
         return out.cache.with_lengths(prompt.lengths)
 
@@ -88,6 +92,9 @@ class DraftLMTreeDrafter(DraftLMDrafter):
         super().__init__(cfg, params, num_draft_tokens, name=name)
         trees.check_tree_budget(num_draft_tokens, top_k, depth)
         self.top_k, self.depth = top_k, depth
+
+    def cache_slack(self) -> int:  # a level's expanded nodes are written after the committed tokens
+        return max(super().cache_slack(), trees.dynamic_tree_write_width(self.top_k, self.depth))
 
     def propose(self, params, cache, ctx: RoundContext, sampling, key):
         k = self.top_k

@@ -19,6 +19,11 @@ p_t the target's distribution at position a+j (temperature 1), with DFlash's anc
 weights. `calibrate` then fits one temperature per slot on held-out data, left to right, each minimising the
 expected calibration error of the prefix survival a_j against the teacher-forced prod_{i<=j} alpha_i
 (alpha = sum min(p_d, p_t)) with the earlier slots' temperatures fixed (sequential temperature scaling).
+Acceptance means different things at different sampling temperatures, so it fits two sets: `conf_temperature`
+against alpha (sampled verification at temperature 1) and `conf_temperature_greedy` against the argmax
+agreement of draft and target (greedy verification: accepted iff the argmaxes agree). Drafting picks the set of
+the temperature in use: greedy at T = 0, the T = 1 fit at any T > 0 (the nearest calibrated case; acceptance at
+other temperatures is not fitted).
 With a reduced draft vocabulary (`draft_vocab_size`, see dflash.py) U_j and W2 keep only the d2t columns, p_d is
 0 elsewhere, so the L1 term counts the target mass outside the draft vocabulary too and 1 - 0.5 L1 is still
 exactly the expected acceptance.
@@ -92,6 +97,13 @@ def sequential_temperatures(z: np.ndarray, alpha: np.ndarray, grid=TEMPERATURE_G
     return temps
 
 
+def confidence_temperatures(params: dict, sampling, block_size: int) -> jax.Array:
+    """The per-slot confidence temperatures calibrated for `sampling`: the greedy fit at temperature 0, the
+    temperature-1 fit otherwise (a checkpoint calibrated before the greedy fit existed: its one fit; none: 1)."""
+    sampled = params.get("conf_temperature", jnp.ones((block_size,), jnp.float32))
+    return params.get("conf_temperature_greedy", sampled) if sampling.greedy else sampled
+
+
 @dataclasses.dataclass(frozen=True)
 class DSparkTask(DFlashTask):
     ce_weight: float = 0.1
@@ -112,6 +124,7 @@ class DSparkTask(DFlashTask):
         k_backbone, k_heads = jax.random.split(key)
         params, buffers = super().init(k_backbone, token_counts)
         buffers["conf_temperature"] = jnp.ones((self.arch.block_size,), jnp.float32)
+        buffers["conf_temperature_greedy"] = jnp.ones((self.arch.block_size,), jnp.float32)
         return {**params, **init_heads(self.arch, k_heads)}, buffers
 
     def slot_logits(self, params, consts, hidden, prev):
@@ -138,28 +151,33 @@ class DSparkTask(DFlashTask):
                       "acc": hit.astype(jnp.float32)}
 
     def calibration_stats(self, params, consts, batch, feats):
-        """Confidence logits z, teacher-forced alpha and validity [B, N, G] at a fixed set of anchors."""
+        """Confidence logits z, teacher-forced alpha (temperature-1 acceptance), argmax agreement (greedy
+        acceptance) and validity [B, N, G] at a fixed set of anchors."""
         anchors, anchor_ok = dflash.sample_anchors(batch, self.calibration_anchors, jax.random.PRNGKey(0))
         _, ok = dflash.block_labels(batch, anchors, anchor_ok, self.arch.block_size)
         hidden, prev = self.forward(params, consts, batch["tokens"], feats.taps, anchors)
         bias, e = markov_bias(params, prev, consts.get("d2t"))
         logits = super().slot_logits(params, consts, hidden, prev) + bias
-        alpha, _ = T.acceptance(logits, self._target_at(feats, anchors), consts.get("d2t"))
-        return confidence_logit(params, hidden, e), alpha, ok
+        alpha, match = T.acceptance(logits, self._target_at(feats, anchors), consts.get("d2t"))
+        return confidence_logit(params, hidden, e), alpha, match.astype(jnp.float32), ok
 
     def calibrate(self, params, consts, batches_and_feats) -> dict:
-        """Buffers with the fitted per-slot temperatures, from held-out (batch, feats) pairs."""
+        """Buffers with the fitted per-slot temperatures for sampled (`conf_temperature`) and greedy
+        (`conf_temperature_greedy`) verification, from held-out (batch, feats) pairs."""
         stats = jax.jit(self.calibration_stats)
-        zs, alphas = [], []
+        zs, alphas, matches = [], [], []
         for batch, feats in batches_and_feats:
-            z, alpha, ok = jax.device_get(stats(params, consts, batch, feats))
+            z, alpha, match, ok = jax.device_get(stats(params, consts, batch, feats))
             full = np.asarray(ok).all(axis=-1)  # blocks whose every label is a response token
             zs.append(np.asarray(z)[full])
             alphas.append(np.asarray(alpha)[full])
-        z, alpha = np.concatenate(zs), np.concatenate(alphas)
+            matches.append(np.asarray(match)[full])
+        z, alpha, match = np.concatenate(zs), np.concatenate(alphas), np.concatenate(matches)
         if len(z) == 0:
-            return {"conf_temperature": jnp.ones((self.arch.block_size,), jnp.float32)}
-        return {"conf_temperature": jnp.asarray(sequential_temperatures(z, alpha), jnp.float32)}
+            ones = jnp.ones((self.arch.block_size,), jnp.float32)
+            return {"conf_temperature": ones, "conf_temperature_greedy": ones}
+        return {"conf_temperature": jnp.asarray(sequential_temperatures(z, alpha), jnp.float32),
+                "conf_temperature_greedy": jnp.asarray(sequential_temperatures(z, match), jnp.float32)}
 
 
 @T.register_task(NAME)
@@ -198,7 +216,7 @@ class DSparkDrafter(DFlashDrafter):
         d2t, vocab = params.get("d2t"), self.arch.cfg.vocab_size
         heads = params["params"]
         u = self.head_logits(params, hidden)[:, :k]  # [B, k, Vd]
-        temps = params.get("conf_temperature", jnp.ones((self.arch.block_size,), jnp.float32))[:k]
+        temps = confidence_temperatures(params, sampling, self.arch.block_size)[:k]
         keys = jax.random.split(key, k)
 
         def step(prev, inp):

@@ -365,10 +365,14 @@ class Eagle3Drafter(Drafter):
         q = probabilities(logits, sampling)
         return tok, draft_probs_to_target(q, params.get("d2t"), self.arch.cfg.vocab_size)
 
+    def cache_slack(self) -> int:
+        """Draft cache slots past the engine's `capacity`: room for the drafted positions of a round."""
+        return self.num_draft_tokens + 2
+
     def init(self, params, prompt: PromptInfo, capacity: int):
         b, t = prompt.tokens.shape
         c = self.arch.cfg
-        shape = transformer.cache_shape(b, capacity + self.num_draft_tokens + 2, c.num_kv_heads, c.head_dim)
+        shape = transformer.cache_shape(b, capacity + self.cache_slack(), c.num_kv_heads, c.head_dim)
         cache = transformer.KVCache(k=(jnp.zeros(shape, jnp.float32),), v=(jnp.zeros(shape, jnp.float32),),
                                     lengths=jnp.zeros((b,), jnp.int32))
         g = _apply(self.arch, params["params"], "fuse", prompt.taps)  # [B, T, H]
@@ -442,6 +446,9 @@ class Eagle3TreeDrafter(Eagle3Drafter):
         super().__init__(arch, params, num_draft_tokens, name=name)
         trees.check_tree_budget(num_draft_tokens, top_k, depth)
         self.top_k, self.depth = top_k, depth
+
+    def cache_slack(self) -> int:  # a level's expanded nodes are written after the committed positions
+        return max(super().cache_slack(), trees.dynamic_tree_write_width(self.top_k, self.depth))
 
     def propose(self, params, state: Eagle3State, ctx: RoundContext, sampling, key):
         k = self.top_k

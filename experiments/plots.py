@@ -24,13 +24,21 @@ def _finite(x) -> bool:
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def acceptance_by_position(survival: Sequence[float], conditional: Sequence[float], title: str, path: Path) -> Path:
-    """Bars: P(draft position j accepted) (prefix survival); line: P(j accepted | j-1 accepted)."""
+def _nan_gaps(values: Sequence) -> list[float]:
+    """Undefined ratios (None or nan in a summary: no rounds, never eligible) as gaps in a plot."""
+    return [v if _finite(v) else float("nan") for v in values]
+
+
+def acceptance_by_position(acc: dict[str, Sequence[float]], title: str, path: Path) -> Path:
+    """`DecodeMetrics.acceptance_by_position()` drawn: bars P(draft position j accepted) (survival over all
+    rounds); lines P(j accepted | j proposed and j-1 accepted) and the rate at which j was proposed (below 1
+    for variable-length drafts: n-gram misses, scheduler cuts, shallow tree rows)."""
     fig, ax = plt.subplots(figsize=(6, 3.6))
+    survival = _nan_gaps(acc["survival"])
     pos = list(range(1, len(survival) + 1))
     ax.bar(pos, survival, color="#4C72B0", alpha=0.8, label="survival P(accept j)")
-    cond = [c if _finite(c) else float("nan") for c in conditional]
-    ax.plot(pos, cond, "o-", color="#DD8452", label="conditional P(j | j-1)")
+    ax.plot(pos, _nan_gaps(acc["conditional"]), "o-", color="#DD8452", label="conditional P(j | proposed, j-1)")
+    ax.plot(pos, _nan_gaps(acc["proposal_rate"]), "s--", ms=3, color="#55A868", label="proposal rate P(j proposed)")
     ax.set_xlabel("draft position / tree depth j")
     ax.set_ylabel("probability")
     ax.set_ylim(0, 1.05)
@@ -94,17 +102,21 @@ def tau_vs_throughput(names: Sequence[str], tau: Sequence[float], tps: Sequence[
     return _save(fig, path)
 
 
-def acceptance_by_position_multi(curves: dict[str, Sequence[float]], path: Path, title: str = "") -> Path:
-    """Prefix survival by draft position, one line per run."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for name, surv in curves.items():
-        ax.plot(range(1, len(surv) + 1), surv, "o-", ms=3, label=name)
-    ax.set_xlabel("draft position / tree depth j")
-    ax.set_ylabel("P(position j accepted)")
-    ax.set_ylim(0, 1.05)
-    ax.set_title(title or "acceptance by position", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=1 if len(curves) < 10 else 2)
+def acceptance_by_position_multi(curves: dict[str, dict[str, Sequence[float]]], path: Path, title: str = "") -> Path:
+    """One line per run: prefix survival P(j accepted) (left) and conditional P(j accepted | j proposed and
+    j-1 accepted) (right), from each run's summary `acceptance_by_position`."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for name, acc in curves.items():
+        surv, cond = _nan_gaps(acc["survival"]), _nan_gaps(acc["conditional"])
+        left.plot(range(1, len(surv) + 1), surv, "o-", ms=3, label=name)
+        right.plot(range(1, len(cond) + 1), cond, "o-", ms=3, label=name)
+    for ax, label in ((left, "P(position j accepted)"), (right, "P(j accepted | j proposed, j-1 accepted)")):
+        ax.set_xlabel("draft position / tree depth j")
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+    left.set_ylim(0, 1.05)
+    right.legend(fontsize=6, ncol=1 if len(curves) < 10 else 2)
+    fig.suptitle(title or "acceptance by position", fontsize=9)
     return _save(fig, path)
 
 

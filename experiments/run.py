@@ -29,17 +29,14 @@ RECORDS. One JSON line per prompt and method, compatible with Spec-Bench answer 
   {"question_id", "category", "answer_id", "model_id", "tstamp",
    "choices": [{"index": 0, "turns": [text], "new_tokens": [n], "wall_time": [s], "decoding_steps": [r],
                 "accept_lengths": [...]}],
-   "dataset", "token_ids", "prompt_tokens", "batch_size", "batch"}
-  - wall_time: prefill + decode seconds of the batch the prompt was decoded in (at batch size 1: the prompt's
-    own time; at batch size B all B rows share one value).
-  - decoding_steps: target verification rounds after the prefill (AR: new_tokens - 1). Per row at batch 1;
-    at batch > 1 the engine counts rounds for the whole batch only, so speculative records hold null.
-  - accept_lengths: tokens committed per verification round (accepted drafts + 1). The engine does not log
-    rounds one by one; at batch size 1 it counts, for every draft position j, the rounds that accepted at
-    least j drafts, which determines the exact multiset of per-round accept lengths, listed in ascending
-    order (round order is not recorded; the final round may have committed fewer tokens than listed, when it
-    was cut at EOS or max_new_tokens). At batch > 1 speculative records hold [] (only batch totals exist);
-    AR records hold [1] * decoding_steps.
+   "dataset", "token_ids", "prompt_tokens", "batch_size", "batch", "batch_wall_time"}
+  - wall_time: the prompt's own latency: prefill + its share of the batch's decode time, decode seconds x
+    (the row's steps / the batch's loop iterations), every iteration costing about the same (static shapes; at
+    batch size 1 it is the prompt's measured time). `batch_wall_time` is the whole batch's prefill + decode.
+  - decoding_steps: target verification rounds after the prefill (AR: new_tokens - 1), per row at any batch size.
+  - accept_lengths: tokens committed in each of the row's rounds, in round order (accepted drafts + 1; the
+    engine's `SpecOutput.accept_lengths`): sum = new_tokens - 1, exactly the tokens the metrics count (a round
+    cut at EOS or max_new_tokens lists what it committed). AR records hold [1] * decoding_steps.
 """
 
 from __future__ import annotations
@@ -205,33 +202,23 @@ class RecordStore:
 # Records
 # ---------------------------------------------------------------------------------------------------------
 
-def accept_length_multiset(metrics: DecodeMetrics) -> list[int]:
-    """Per-round accept lengths (accepted drafts + 1) of a batch-1 run, from its acceptance-by-position counts:
-    rounds accepting exactly a drafts = (rounds accepting >= a) - (rounds accepting >= a + 1)."""
-    at_least = [metrics.rounds, *metrics.position_accepted, 0]
-    out = []
-    for a in range(len(at_least) - 1):
-        out += [a + 1] * max(at_least[a] - at_least[a + 1], 0)
-    return out
-
-
 def make_record(method: str, model_id: str, prompt: Prompt, tokens: list[int], text: str, metrics: DecodeMetrics,
-                batch_size: int, batch_index: int, prompt_tokens: int) -> dict:
-    if method == AR:
-        steps: int | None = max(len(tokens) - 1, 0)
-        accept = [1] * steps
-    elif batch_size == 1:
-        steps, accept = metrics.rounds, accept_length_multiset(metrics)
-    else:
-        steps, accept = None, []
+                batch_size: int, batch_index: int, prompt_tokens: int, accept_lengths: list[int],
+                batch_steps: int) -> dict:
+    """One answer record (RECORDS above). `accept_lengths`: the row's tokens per round (AR: [1] per step after
+    the first token; speculative: `SpecOutput.accept_lengths`); `batch_steps`: the loop iterations its batch
+    ran, i.e. the most steps of any of its rows."""
+    steps = len(accept_lengths)
+    share = steps / batch_steps if batch_steps else 1.0  # every step of the loop costs about the same
     return {
         "question_id": prompt.question_id, "category": prompt.category, "answer_id": f"{method}:{prompt.key}",
         "model_id": model_id, "tstamp": time.time(),
         "choices": [{"index": 0, "turns": [text], "new_tokens": [len(tokens)],
-                     "wall_time": [metrics.prefill_seconds + metrics.decode_seconds], "decoding_steps": [steps],
-                     "accept_lengths": accept}],
+                     "wall_time": [metrics.prefill_seconds + share * metrics.decode_seconds],
+                     "decoding_steps": [steps], "accept_lengths": list(accept_lengths)}],
         "dataset": prompt.dataset, "token_ids": list(tokens), "prompt_tokens": prompt_tokens,
         "batch_size": batch_size, "batch": batch_index,
+        "batch_wall_time": metrics.prefill_seconds + metrics.decode_seconds,
     }
 
 
@@ -400,13 +387,13 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
     def decode_ar(batch_ids, seed):
         out = generate(target, batch_ids, gen.max_new_tokens, sampling, seed=seed, max_seq_len=max_len,
                        warmup=cfg.eval.warmup)
-        return out.tokens, ar_metrics(out)
+        return out.tokens, ar_metrics(out), [[1] * max(len(t) - 1, 0) for t in out.tokens]
 
     def decode_spec(batch_ids, seed):
         out = speculative_generate(target, drafter, batch_ids, policy=policy_name, max_new_tokens=gen.max_new_tokens,
                                    sampling=sampling, seed=seed, compiled=compiled, max_seq_len=max_len,
                                    warmup=cfg.eval.warmup, **engine_opts)
-        return out.tokens, out.metrics
+        return out.tokens, out.metrics, out.accept_lengths
 
     def phase(method: str, decode, model_id: str):
         nonlocal processed
@@ -424,9 +411,10 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
                 if max_batches is not None and processed >= max_batches:
                     raise RunInterrupted(f"stopped after {processed} batches (max_batches)")
                 seed = cfg.sampling.seed + index
-                tokens, m = decode([ids[p.key] for p in pending], seed)
-                records = [make_record(method, model_id, p, t, codec.decode(t), m, len(pending), index, len(ids[p.key]))
-                           for p, t in zip(pending, tokens)]
+                tokens, m, accepts = decode([ids[p.key] for p in pending], seed)
+                steps = max(len(a) for a in accepts)
+                records = [make_record(method, model_id, p, t, codec.decode(t), m, len(pending), index, len(ids[p.key]),
+                                       a, steps) for p, t, a in zip(pending, tokens, accepts)]
                 store.append(records, {"batch": index, "dataset": pending[0].dataset,
                                        "category": batch_group(batch),
                                        "keys": [p.key for p in pending], "seed": seed,
@@ -589,7 +577,7 @@ def _finish(cfg, name, paths, prompts, ids, stores, tracker, target, drafter, la
     table = markdown_table(summary)
     paths.table.write_text(table + "\n")
     images = {"acceptance_by_position": plots.acceptance_by_position(
-        acc["survival"], acc["conditional"], f"{name}: {label} / {policy.name}",
+        acc, f"{name}: {label} / {policy.name}",
         paths.root / "acceptance_by_position.png")}
     cats = [c for c in categories if by_category[c].get("tau") is not None]
     images["by_category"] = plots.by_category(
@@ -644,5 +632,5 @@ def main_run(config_path: str, overrides: list[str], *, progress: bool = True) -
 
 
 __all__ = ["run_experiment", "main_run", "markdown_table", "RunInterrupted", "LosslessError", "AR", "SPEC",
-           "RunPaths", "RecordStore", "accept_length_multiset", "plan_batches", "baseline_key"]
+           "RunPaths", "RecordStore", "make_record", "plan_batches", "baseline_key"]
 

@@ -11,8 +11,8 @@
   sweep process (the first such run measures it; the others record `baseline_source`).
 - The combined report in the sweep directory: report.md (a table of every run and a headline table: the
   best drafter per batch size and temperature), tau_vs_throughput.png (acceptance length vs tokens/s with
-  the Pareto frontier and the AR baselines), acceptance_by_position.png (one curve per run),
-  speedup_by_category.png, and report.json (the numbers behind them).
+  the Pareto frontier and the AR baselines), acceptance_by_position.png (survival and conditional, one curve
+  per run), speedup_by_category.png, and report.json (the numbers behind them).
 - A run that fails (including a failed lossless check) does not stop the others; the sweep raises
   `SweepError` naming the failed runs after writing the report of those that finished.
 """
@@ -141,8 +141,8 @@ def write_report(sweep_dir: Path, sweep: SweepConfig, summaries: dict[str, dict]
             sweep_dir / "tau_vs_throughput.png", baselines=baselines,
             title=f"{sweep.name}: acceptance length vs throughput (Pareto frontier in red)"),
         "acceptance_by_position": plots.acceptance_by_position_multi(
-            {n: done[n]["acceptance_by_position"]["survival"] for n in names}, sweep_dir / "acceptance_by_position.png",
-            title=f"{sweep.name}: P(draft position j accepted), per run"),
+            {n: done[n]["acceptance_by_position"] for n in names}, sweep_dir / "acceptance_by_position.png",
+            title=f"{sweep.name}: acceptance by draft position, per run"),
         "speedup_by_category": plots.speedup_by_category(
             {n: {c: b.get("speedup") for c, b in done[n]["by_category"].items() if b.get("speedup") is not None}
              for n in names}, sweep_dir / "speedup_by_category.png", title=f"{sweep.name}: speedup by category"),

@@ -78,9 +78,16 @@ class Drafter:
         raise NotImplementedError
 
     def draft_confidence(self, state) -> jax.Array:
-        """[B, k] non-increasing estimates that draft positions 1..k survive verification, for the proposal just
-        made (`state` as returned by `propose`). Must depend only on the context and the draft, never on the
-        target's verdict: the schedulers cut drafts by it and stay lossless only then."""
+        """[B, k] estimates a[b, j] that draft positions 0..j all survive verification, for the proposal just
+        made (`state` as returned by `propose`). The contract, which the verify-length schedulers
+        (specdec/scheduling.py) need to stay lossless:
+
+        - a[:, j] depends only on the context and the draft tokens BEFORE position j (x_0 .. x_{j-1}), never on
+          x_j itself nor on the target's verdict: whether x_j is verified must not depend on x_j's value, or
+          rejection sampling no longer corrects it (a confidence that reads x_j fails the engine's
+          distribution test, tests/test_scheduling.py);
+        - a[:, j] is non-increasing in j (a prefix survival probability). `Scheduler.apply` enforces this
+          part with a cumulative minimum; the first part no code can check."""
         raise NotImplementedError(f"drafter {self.name!r} has no draft confidences")
 
     def update(self, params, state, ctx: RoundContext, result, taps) -> Any:

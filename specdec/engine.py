@@ -26,7 +26,7 @@ import numpy as np
 from specdec import trees
 from specdec.adaptive import AdaptiveWidth, load_or_measure_round_costs, measure_round_costs, cost_key
 from specdec.drafter import Drafter, PromptInfo, RoundContext
-from specdec.generate import cache_capacity, check_fits, context_limit, pad_prompts, prefill
+from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill
 from specdec.metrics import DecodeMetrics
 from specdec.models.transformer import KVCache
 from specdec.sampling import GREEDY, SamplingParams, sample
@@ -48,10 +48,14 @@ class LoopState:
     key: jax.Array
     # metric counters
     rounds: jax.Array  # int32 [B] rounds in which the row was active
-    accepted: jax.Array  # int32 [B] accepted draft tokens
+    accepted: jax.Array  # int32 [B] accepted draft tokens that were committed (see verify_and_commit)
     proposed: jax.Array  # int32 [B] valid draft tokens proposed
     position_proposed: jax.Array  # int32 [N] row-rounds with a valid draft node at position/depth j+1
-    position_accepted: jax.Array  # int32 [N] row-rounds that accepted position/depth j+1
+    position_accepted: jax.Array  # int32 [N] row-rounds that accepted (and committed) position/depth j+1
+    # int32 [N] row-rounds whose verdict on position j was observed: a candidate at depth j+1 below the
+    # accepted path, and positions < j accepted (the denominator of P(j accepted | j proposed, j-1 accepted))
+    position_eligible: jax.Array
+    round_committed: jax.Array  # int32 [B, C] tokens committed in each of the row's rounds (its accept lengths)
     sched: Any = None  # the adaptive verify width's state (specdec.adaptive.AdaptiveState), else None
 
 
@@ -231,7 +235,7 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, w
     # Commit: accepted tokens + correction/bonus, cut after the first EOS and at max_new_tokens.
     commit = result.num_accepted + 1
     slot = jnp.arange(num_nodes + 1)[None, :]
-    eos = jnp.asarray(spec.eos_ids if spec.eos_ids else (-2,), jnp.int32)
+    eos = jnp.asarray(spec.eos_ids or (NO_EOS,), jnp.int32)
     is_eos = jnp.isin(result.tokens, eos) & (slot < commit[:, None])
     hit_eos = jnp.any(is_eos, axis=1)
     commit = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, commit)
@@ -248,18 +252,37 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, w
     # The new root (last committed token) is not in the target cache yet.
     cache = cache.with_lengths(jnp.where(active, seq_len - 1, state.cache.lengths))
 
+    # Counters from what was COMMITTED. A round commits c = commit tokens; the last of them counts as the
+    # round's target token and the c - 1 before it as accepted drafts. Without a cut c = a + 1 (a =
+    # num_accepted) and the last token is the correction/bonus; when EOS or max_new_tokens cut inside the
+    # accepted drafts (c <= a) the last committed token is a draft the target accepted there, and the c - 1
+    # before it are the accepted drafts counted. So every active round adds exactly accepted + 1 tokens:
+    # accepted + rounds + one prefill token per row == new tokens.
+    a = result.num_accepted
+    kept = jnp.where(active, jnp.minimum(a, commit - 1), 0)  # accepted drafts committed (and counted)
     node_depth = depth[:, 1:]
     levels = jnp.arange(1, num_nodes + 1)[None, :, None]
     has_level = jnp.any(draft.valid[:, None, :] & (node_depth[:, None, :] == levels), axis=2)  # [B, N]
-    took_level = slot[:, :num_nodes] < result.num_accepted[:, None]
+    took_level = slot[:, :num_nodes] < kept[:, None]
+    # Position j's verdict is observed when positions < j were kept and j was either kept or rejected (j == a,
+    # no cut), with a candidate at depth j+1 below the accepted node at depth j (the root for j = 0).
+    parent_on_path = jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), result.path[:, :-1]], axis=1)
+    below_path = jnp.any(draft.valid[:, None, :] & (node_depth[:, None, :] == levels)
+                         & (draft.parents[:, None, :] == parent_on_path[:, :, None]), axis=2)  # [B, N]
+    j = slot[:, :num_nodes]
+    observed = (j < kept[:, None]) | ((j == kept[:, None]) & (commit > a)[:, None])
     act = active[:, None].astype(jnp.int32)
+    rows = jnp.arange(batch)
     state = dataclasses.replace(
         state, cache=cache, seq=seq, seq_len=seq_len, num_new=num_new, done=done, key=key,
         rounds=state.rounds + active.astype(jnp.int32),
-        accepted=state.accepted + jnp.where(active, result.num_accepted, 0),
+        accepted=state.accepted + kept,
         proposed=state.proposed + jnp.where(active, jnp.sum(draft.valid, axis=1), 0).astype(jnp.int32),
         position_proposed=state.position_proposed + jnp.sum(has_level * act, axis=0),
         position_accepted=state.position_accepted + jnp.sum(took_level * act, axis=0),
+        position_eligible=state.position_eligible + jnp.sum((below_path & observed) * act, axis=0),
+        round_committed=state.round_committed.at[rows, state.rounds].set(
+            jnp.where(active, commit, state.round_committed[rows, state.rounds])),
     )
     return state, result, out.taps
 
@@ -310,7 +333,7 @@ def _initial_state(spec: LoopSpec, tokens, lengths, first_logits, cache, key, li
     first = sample(sub, first_logits, spec.sampling)
     seq = jnp.zeros((batch, capacity), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
     seq = seq.at[jnp.arange(batch), lengths].set(first)
-    eos = jnp.asarray(spec.eos_ids if spec.eos_ids else (-2,), jnp.int32)
+    eos = jnp.asarray(spec.eos_ids or (NO_EOS,), jnp.int32)
     limit = jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (batch,))
     done = jnp.isin(first, eos) | (limit <= 1)
     n = spec.drafter.num_draft_tokens
@@ -318,13 +341,18 @@ def _initial_state(spec: LoopSpec, tokens, lengths, first_logits, cache, key, li
     return first, LoopState(cache=cache, seq=seq, seq_len=lengths + 1, num_new=zeros + 1, done=done,
                             limit=limit, drafter_state=None, key=key, rounds=zeros, accepted=zeros, proposed=zeros,
                             position_proposed=jnp.zeros((n,), jnp.int32),
-                            position_accepted=jnp.zeros((n,), jnp.int32))
+                            position_accepted=jnp.zeros((n,), jnp.int32),
+                            position_eligible=jnp.zeros((n,), jnp.int32),
+                            round_committed=jnp.zeros((batch, capacity), jnp.int32))
 
 
 @dataclasses.dataclass
 class SpecOutput:
     tokens: list[list[int]]  # new tokens per row (the prefill token first; EOS included if it stopped there)
     metrics: DecodeMetrics
+    # per row, in round order: tokens committed in each of its rounds (accepted drafts + 1, as counted in
+    # `metrics`); len = the row's rounds, sum = its new tokens - 1 (the prefill token)
+    accept_lengths: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
@@ -442,6 +470,7 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
     t1 = time.perf_counter()
 
     draft_s = verify_s = None
+    callback_s = 0.0
     if compiled:
         state = compiled_loop(spec, target.params, drafter.params, state)
         jax.block_until_ready(state)
@@ -458,27 +487,31 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
             state, result, taps = _jit_verify(spec, target.params, state, draft)
             jax.block_until_ready(result)
             tc = time.perf_counter()
-            if on_round is not None:
+            if on_round is not None:  # the caller's analysis: billed to neither draft nor verify time
                 conf = drafter.draft_confidence(state.drafter_state) if drafter.has_confidence else None
                 on_round(draft, conf, result, active)
+            td = time.perf_counter()
             state = update_fn(spec, drafter.params, state, result, taps)
-            draft_s += (tb - ta) + (time.perf_counter() - tc)
+            draft_s += (tb - ta) + (time.perf_counter() - td)
             verify_s += tc - tb
-    t2 = time.perf_counter()
+            callback_s += td - tc
+    t2 = time.perf_counter() - callback_s
 
     # to_host: on several hosts a row-sharded array is gathered first (np.asarray refuses non-local arrays)
-    seq, seq_len, rounds, accepted, proposed, pos_proposed, pos_accepted = map(to_host, (
+    seq, seq_len, rounds, accepted, proposed, pos_proposed, pos_accepted, pos_eligible, committed = map(to_host, (
         state.seq, state.seq_len, state.rounds, state.accepted, state.proposed, state.position_proposed,
-        state.position_accepted))
+        state.position_accepted, state.position_eligible, state.round_committed))
     rows = [seq[i, lengths[i]: seq_len[i]].tolist() for i in range(len(tokens))]
     metrics = DecodeMetrics(
         new_tokens=int(np.sum(seq_len - lengths)), rounds=int(np.sum(rounds)),
         accepted_draft_tokens=int(np.sum(accepted)), proposed_draft_tokens=int(np.sum(proposed)),
         prefill_seconds=t1 - t0, decode_seconds=t2 - t1, draft_seconds=draft_s, verify_seconds=verify_s,
-        position_proposed=pos_proposed.tolist(), position_accepted=pos_accepted.tolist(), batch_size=len(tokens))
+        position_proposed=pos_proposed.tolist(), position_accepted=pos_accepted.tolist(),
+        position_eligible=pos_eligible.tolist(), batch_size=len(tokens))
     if state.sched is not None:  # the adaptive width's choices and its cost model's prediction of decode_seconds
         metrics.verify_widths = list(spec.verify_widths)
         metrics.width_rounds = to_host(state.sched.width_rounds).tolist()
         metrics.skipped_drafts = int(to_host(state.sched.skipped_drafts))
         metrics.predicted_seconds = float(to_host(state.sched.predicted_seconds))
-    return SpecOutput(tokens=rows, metrics=metrics)
+    accept_lengths = [committed[i, : rounds[i]].tolist() for i in range(len(tokens))]
+    return SpecOutput(tokens=rows, metrics=metrics, accept_lengths=accept_lengths)

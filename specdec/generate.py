@@ -22,6 +22,9 @@ from specdec.sharding import to_host
 from specdec.target import Target
 
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this, so a few compiled prefill shapes serve all
+# The EOS id set used when a model has none (AR and speculative loops alike): no token id is negative, and -1 is
+# the padding of verify results and output buffers, so -2 can never match a token.
+NO_EOS = -2
 
 
 class ContextLengthError(ValueError):
@@ -80,7 +83,7 @@ def decode_loop(params, cache: KVCache, first_logits, key, limit, *, forward: Ca
     Returns (tokens [B, max_new_tokens] -1 padded, counts [B], cache). The cache is donated and returned so
     the loop updates it in place instead of copying every layer's buffers on entry."""
     batch = first_logits.shape[0]
-    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+    eos = jnp.asarray(eos_ids or (NO_EOS,), jnp.int32)
 
     def emit(state, logits):
         out, count, done, key, cache = state

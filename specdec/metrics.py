@@ -23,8 +23,11 @@ class DecodeMetrics:
     draft_seconds: float | None = None  # split measured by the host-stepped loop or a profiling pass
     verify_seconds: float | None = None
     # acceptance by position j (0-based draft position / tree depth j+1), summed over row-rounds:
-    position_proposed: list[int] = dataclasses.field(default_factory=list)
-    position_accepted: list[int] = dataclasses.field(default_factory=list)
+    position_proposed: list[int] = dataclasses.field(default_factory=list)  # a draft node at depth j+1 existed
+    position_accepted: list[int] = dataclasses.field(default_factory=list)  # position j accepted and committed
+    # the verdict on j was observed: a candidate at depth j+1 below the accepted path, positions < j accepted
+    # (and not cut off by EOS / max_new_tokens before j's verdict was committed)
+    position_eligible: list[int] = dataclasses.field(default_factory=list)
     batch_size: int = 1
     # the adaptive verify width (specdec/adaptive.py): loop iterations per verify width (draft nodes; 0 = a plain
     # decode step), how many skipped the draft, and the cost model's predicted decode time
@@ -58,16 +61,27 @@ class DecodeMetrics:
             return float("nan")
         return self.new_tokens / self.predicted_seconds
 
-    def acceptance_by_position(self) -> dict[str, list[float]]:
-        """survival[j] = P(draft position j accepted); conditional[j] = P(j accepted | j-1 accepted)."""
-        rounds = max(self.rounds, 1)
-        survival = [a / rounds for a in self.position_accepted]
-        conditional = []
-        prev = rounds
-        for a, p in zip(self.position_accepted, self.position_proposed):
-            conditional.append(a / prev if prev else float("nan"))
-            prev = a
-        return {"survival": survival, "conditional": conditional}
+    def acceptance_by_position(self) -> dict[str, list]:
+        """Per draft position / tree depth j (0-based), over row-rounds:
+
+        proposed, accepted, eligible  the counts (see the fields)
+        proposal_rate  proposed / rounds: how often the drafter (after any scheduler cut) offered position j
+        survival       accepted / rounds = P(position j accepted), a never-proposed position counting as not
+                       accepted (what tau sums: tau = 1 + sum_j survival[j])
+        conditional    accepted / eligible = P(j accepted | j proposed and j-1 accepted): the per-position
+                       acceptance of the drafter where it was put to the test (nan where never eligible)
+        """
+        rounds, width = self.rounds, len(self.position_accepted)
+        eligible = self.position_eligible or [0] * width  # unknown (a hand-built record): conditional nan
+
+        def ratio(a, b):
+            return a / b if b else float("nan")
+
+        return {"proposed": list(self.position_proposed), "accepted": list(self.position_accepted),
+                "eligible": list(self.position_eligible),
+                "proposal_rate": [ratio(p, rounds) for p in self.position_proposed],
+                "survival": [ratio(a, rounds) for a in self.position_accepted],
+                "conditional": [ratio(a, e) for a, e in zip(self.position_accepted, eligible)]}
 
     def summary(self) -> dict:
         out = {
@@ -118,6 +132,7 @@ def merge(metrics: list[DecodeMetrics]) -> DecodeMetrics:
         draft_seconds=total("draft_seconds"), verify_seconds=total("verify_seconds"),
         position_proposed=sum((pad(m.position_proposed) for m in metrics), np.zeros(width, np.int64)).tolist(),
         position_accepted=sum((pad(m.position_accepted) for m in metrics), np.zeros(width, np.int64)).tolist(),
+        position_eligible=sum((pad(m.position_eligible) for m in metrics), np.zeros(width, np.int64)).tolist(),
         batch_size=sum(m.batch_size for m in metrics),
         **_merge_widths(metrics),
     )

@@ -96,10 +96,16 @@ class Scheduler:
         return prefix_lengths(confidence, active, self.sps, self.early_stop, self.verify_widths)
 
     def apply(self, draft, confidence: jax.Array, active: jax.Array):
-        """The draft with nodes past each row's verify length marked invalid (chain drafts)."""
+        """The draft with nodes past each row's verify length marked invalid (chain drafts).
+
+        The confidence is made non-increasing along j first (a cumulative minimum; a no-op for a drafter that
+        keeps the contract of `Drafter.draft_confidence`): the prefix scheduler admits a row's positions in
+        confidence order and counts them as a prefix, which is only the same thing for a non-increasing a.
+        The other half of the contract, a[:, j] not reading x_j, cannot be checked here (see
+        tests/test_scheduling.py for what breaking it does)."""
         if self.kind == "fixed":
             return draft
-        length = self.lengths(confidence, active)
+        length = self.lengths(jax.lax.cummin(confidence, axis=1), active)
         keep = jnp.arange(draft.num_nodes)[None, :] < length[:, None]
         return dataclasses.replace(draft, valid=draft.valid & keep)
 

@@ -157,6 +157,14 @@ def check_tree_budget(num_draft_tokens: int, top_k: int, depth: int) -> None:
                          f"top_k={top_k}, depth={depth} produces")
 
 
+def dynamic_tree_write_width(top_k: int, depth: int) -> int:
+    """The most draft K/V positions one level of an EAGLE-2 tree expansion writes past the committed ones:
+    the last level re-runs every expanded node, (depth - 1) * top_k of them. A drafter's cache needs that
+    much room after the longest committed context, or the write would be shifted back over committed K/V
+    (`transformer.write_rows` keeps writes in bounds that way)."""
+    return (depth - 1) * top_k
+
+
 def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array, num_nodes: int,
                         probs: jax.Array | None = None,
                         valid: jax.Array | None = None) -> tuple[Draft, jax.Array]:

@@ -20,14 +20,7 @@ from specdec.models.config import tiny_config
 from specdec.scheduling import Scheduler
 from specdec.target import random_target
 from specdec.train.features import online_features
-from tests.test_engine import (
-    NUM_SAMPLES,
-    PROMPT,
-    SAMPLING,
-    distribution_target,
-    exact_joint,
-    fit,
-)
+from tests.test_engine import assert_draft_matches_its_q, assert_lossless, distribution_target, sampled_joint
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
 G = 4
@@ -200,8 +193,8 @@ def test_greedy_speculative_equals_ar(target, setup, policy):
 
 
 def test_sampled_output_is_target_distribution():
-    """tests/test_engine.py's distribution check (joint law of the first 3 tokens vs exact enumeration,
-    chi-square at 1e-3) with DFlash drafts sampled in parallel at temperature > 0, verified as a chain by the
+    """tests/test_engine.py's distribution check (`assert_lossless`: joint law of 9 tokens at T=0.7 with top-k
+    and top-p vs exact enumeration) with DFlash drafts sampled in parallel, verified as a chain by the
     multi-draft tree policy, under the threshold scheduler fed by DFlash's context-only confidence, from a reduced
     draft vocabulary (5 of the 8 ids: the target's other 3 can only come from the residual)."""
     small = distribution_target()
@@ -209,13 +202,15 @@ def test_sampled_output_is_target_distribution():
     params, buffers = task.init(jax.random.PRNGKey(0), np.array([9, 1, 8, 2, 7, 3, 6, 5]))
     np.testing.assert_array_equal(buffers["d2t"], [0, 2, 4, 6, 7])
     drafter = dflash.DFlashDrafter.from_trained(task.arch, noisy(params, 2, 0.3), buffers, small, 3)
-    out = speculative_generate(small, drafter, [PROMPT] * NUM_SAMPLES, policy="multidraft_tree", max_new_tokens=3,
-                               sampling=SAMPLING, seed=7, scheduler=Scheduler("threshold", threshold=0.2))
-    m = out.metrics
-    assert m.accepted_draft_tokens > 0.05 * NUM_SAMPLES and 0 < m.proposed_draft_tokens < 3 * m.rounds
-    counts = np.bincount((np.array(out.tokens) * 8 ** np.arange(3)[::-1]).sum(axis=1), minlength=8 ** 3)
-    p_value, tv = fit(counts, exact_joint(small, 3))
-    assert p_value > 1e-3, (p_value, tv)
+    counts, impossible, m = sampled_joint(small, drafter, "multidraft_tree",
+                                          scheduler=Scheduler("threshold", threshold=0.2))
+    assert 0 < m.proposed_draft_tokens < 3 * m.rounds
+    assert_lossless(counts, impossible, m)
+
+
+def test_dflash_samples_from_its_q(target, setup):
+    """The drafted tokens' frequencies match the returned q (T=0.7, top-k, top-p; tests/test_engine.py)."""
+    assert_draft_matches_its_q(target, setup[3])
 
 
 def test_bad_input(target, setup):

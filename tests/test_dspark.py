@@ -122,6 +122,45 @@ def test_sequential_temperature_scaling_recovers_known_temperatures():
     assert fitted < 0.5 * raw
 
 
+def test_confidence_is_calibrated_for_the_sampling_temperature(monkeypatch):
+    """Two fits: against temperature-1 acceptance alpha (true temperature 2 here) and against greedy argmax
+    agreement (Bernoulli labels, true temperature 0.5); drafting reads the greedy set at T = 0 only."""
+    target = random_target(tiny_config(), seed=3, scale=0.35)
+    task = dspark.make_task(target, num_layers=1, block_size=2, markov_rank=4)
+    rng = np.random.default_rng(0)
+    z = rng.normal(0, 3, size=(1, 20_000, 2)).astype(np.float32)
+    alpha = 1 / (1 + np.exp(-z / 2))
+    match = (rng.uniform(size=z.shape) < 1 / (1 + np.exp(-z / 0.5))).astype(np.float32)
+    monkeypatch.setattr(dspark.DSparkTask, "calibration_stats",
+                        lambda self, *a: (z, alpha, match, np.ones(z.shape, bool)))
+    fitted = task.calibrate(None, None, [(None, None)])
+    sampled, greedy = np.asarray(fitted["conf_temperature"]), np.asarray(fitted["conf_temperature_greedy"])
+    assert np.all(np.abs(np.log(sampled[:1] / 2.0)) < 0.15) and np.all(np.abs(np.log(greedy[:1] / 0.5)) < 0.15)
+
+    params, buffers = task.init(jax.random.PRNGKey(0), None)
+    hidden = jnp.asarray(rng.standard_normal((3, 2, target.cfg.hidden_size)), jnp.float32)
+    root, key = jnp.asarray([5, 9, 3]), jax.random.PRNGKey(2)
+
+    def confidence(sampling, greedy_temperature):
+        temps = {"conf_temperature": jnp.ones(2), "conf_temperature_greedy": jnp.full(2, greedy_temperature)}
+        d = dspark.DSparkDrafter.from_trained(task.arch, params, {**buffers, **temps}, target, 2)
+        return np.asarray(draw(d, d.params, hidden, root, sampling, key)[2])
+
+    hot = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+    assert not np.allclose(confidence(SamplingParams(), 1.0), confidence(SamplingParams(), 4.0))
+    np.testing.assert_array_equal(confidence(hot, 1.0), confidence(hot, 4.0))
+
+
+def test_dspark_samples_from_its_q():
+    """The drafted tokens' frequencies match the returned q (T=0.7, top-k, top-p; tests/test_engine.py): the
+    Markov head makes q_j depend on the drafted x_{j-1}, so this checks the sequential draws slot by slot."""
+    from tests.test_engine import assert_draft_matches_its_q
+    from tests.test_scheduling import random_dspark
+
+    target = random_target(tiny_config(), seed=3, scale=0.35)
+    assert_draft_matches_its_q(target, random_dspark(target))
+
+
 def test_training_configs_build_their_tasks():
     """configs/train/dflash.yaml and dspark.yaml (SmolLM2) parse and their drafter options build the tasks (on
     the tiny target here: the SmolLM2 taps/MASK id fall back to what the tiny model has)."""
@@ -215,8 +254,9 @@ def test_toy_two_phrases_dspark_tau_at_least_1_5x_dflash(toy_runs):
     print(f"toy two-phrase tau: {tau}")  # shown with -s
     assert tau["dspark"] >= 1.5 * tau["dflash"], tau
     # the calibration ran at the end of training and travelled with the checkpoint
-    temps = np.asarray(runs["dspark"][1].params["conf_temperature"])
-    assert temps.shape == (BLOCK,) and np.all(temps > 0) and not np.all(temps == 1.0)
+    for name in ("conf_temperature", "conf_temperature_greedy"):  # sampled and greedy fits
+        temps = np.asarray(runs["dspark"][1].params[name])
+        assert temps.shape == (BLOCK,) and np.all(temps > 0) and not np.all(temps == 1.0), name
     # ... and so did the reduced vocabulary, holding every id the toy language uses
     spark = runs["dspark"][1].params
     assert spark["head"].shape == (H, 16)

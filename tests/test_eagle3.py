@@ -191,3 +191,19 @@ def test_greedy_eagle3_dynamic_tree_equals_ar(target):
     ar = generate(target, PROMPTS, max_new_tokens=17)
     out = speculative_generate(target, tree, PROMPTS, policy="greedy_tree", max_new_tokens=17)
     assert out.tokens == ar.tokens
+
+
+def test_eagle3_tree_levels_fit_at_the_context_edge(target, monkeypatch):
+    from tests.test_engine import assert_tree_levels_fit_at_the_context_edge
+
+    _, _, _, chain = make(target, 64, k=2)
+    tree = eagle3.Eagle3TreeDrafter(chain.arch, chain.params, 2, top_k=3, depth=5)
+    assert_tree_levels_fit_at_the_context_edge(target, tree, monkeypatch)
+
+
+def test_eagle3_samples_from_its_q(target):
+    """The drafted tokens' frequencies match the returned q (T=0.7, top-k, top-p; tests/test_engine.py), with a
+    reduced draft vocabulary (q mapped back to target ids)."""
+    from tests.test_engine import assert_draft_matches_its_q
+
+    assert_draft_matches_its_q(target, make(target, 64, k=3)[3])

@@ -1,7 +1,8 @@
 """The speculative engine is lossless: greedy output equals AR token for token, sampled output follows the
 target distribution, and stopping (EOS inside an accepted draft, max_new_tokens) is exact."""
 
-import itertools
+import dataclasses
+import functools
 import types
 
 import jax
@@ -13,10 +14,11 @@ from scipy import stats
 from drafters import create_drafter
 from drafters.draft_lm import DraftLMDrafter, DraftLMTreeDrafter
 from specdec.engine import speculative_generate
-from specdec.generate import generate
+from specdec.generate import cache_capacity, generate, pad_prompts
 from specdec.models.config import tiny_config
-from specdec.sampling import SamplingParams, probabilities
+from specdec.sampling import GREEDY, SamplingParams, probabilities
 from specdec.target import random_target
+from specdec.verify import Draft
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
 
@@ -61,32 +63,90 @@ def test_dynamic_tree_drafts_are_lossless_and_compacted(policy):
             assert out.tokens == ar.tokens, (seed, drafter.name, policy)
 
 
+def tree_scores_at_the_context_edge(target, drafter, capacity: int, monkeypatch) -> np.ndarray:
+    """The candidate scores of one tree proposal right after prefill, from a context as long as the engine
+    allows in `capacity` slots (P prompt tokens + the first token = 64 - N - 2, the engine's bound for 64),
+    captured where the drafter hands them to `trees.select_dynamic_tree` (and returned from the same jit)."""
+    from specdec import trees
+    from specdec.drafter import PromptInfo, RoundContext
+    from specdec.generate import pad_prompts, prefill
+
+    length = 64 - drafter.num_draft_tokens - 3
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 200, length)]
+    tokens, lengths = (jnp.asarray(x) for x in pad_prompts([prompt], 0))
+    logits, taps, _ = prefill(target.params, target.init_cache(1, capacity), tokens, lengths,
+                              forward=target.forward, cfg=target.cfg, taps=drafter.taps)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    state = drafter.init(drafter.params, PromptInfo(tokens, lengths, taps, first), capacity)
+    seq = jnp.zeros((1, capacity), jnp.int32).at[0, :length].set(jnp.asarray(prompt)).at[0, length].set(first[0])
+    seen, select = [], trees.select_dynamic_tree
+    monkeypatch.setattr(trees, "select_dynamic_tree", lambda t, p, scores, n: seen.append(scores)
+                        or select(t, p, scores, n))
+
+    @jax.jit
+    def scores(params, state, ctx):
+        drafter.propose(params, state, ctx, GREEDY, jax.random.PRNGKey(0))
+        return seen[-1]
+
+    out = scores(drafter.params, state, RoundContext(seq, lengths + 1, jnp.zeros(1, bool)))
+    monkeypatch.undo()
+    return np.asarray(out)
+
+
+def assert_tree_levels_fit_at_the_context_edge(target, drafter, monkeypatch):
+    """At the longest context the engine allows in a 64-slot cache, a tree proposal scores its candidates as
+    it does with room to spare (128 slots). A 3-wide, 5-deep expansion writes 12 nodes past the committed
+    tokens, more than the 2 (N + 2) slots of the engine's slack plus the chain's N + 2 of draft-cache slack: a
+    cache sized for the chain had its last level's writes shifted back over committed K/V (`write_rows`),
+    and the deep scores changed."""
+    assert drafter.num_draft_tokens == 2 and (drafter.top_k, drafter.depth) == (3, 5)
+    edge = tree_scores_at_the_context_edge(target, drafter, 64, monkeypatch)
+    roomy = tree_scores_at_the_context_edge(target, drafter, 128, monkeypatch)
+    np.testing.assert_allclose(edge, roomy, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_lm_tree_levels_fit_at_the_context_edge(monkeypatch):
+    target = make_target(3, eos_token_ids=())
+    drafter = DraftLMTreeDrafter(target.cfg, target.params, 2, top_k=3, depth=5, name="oracle_tree")
+    assert_tree_levels_fit_at_the_context_edge(target, drafter, monkeypatch)
+
+
 def test_oracle_tree_with_every_candidate_accepts_full_depth():
     target = make_target(1, eos_token_ids=())
     drafter = DraftLMTreeDrafter(target.cfg, target.params, 14, top_k=2, depth=4, name="oracle_tree")
     out = speculative_generate(target, drafter, PROMPTS, policy="greedy_tree", max_new_tokens=21)
     assert out.tokens == generate(target, PROMPTS, max_new_tokens=21).tokens
-    assert out.metrics.position_accepted[0] == out.metrics.rounds  # depth 1 always accepted
+    # depth 1 always accepted (wherever the verdict was committed: a max_new_tokens cut may leave no room)
+    assert out.metrics.acceptance_by_position()["conditional"][0] == 1.0
     assert out.metrics.tau > 3.5
 
 
-def test_host_stepped_loop_equals_compiled_loop():
+def test_host_stepped_loop_equals_compiled_loop(monkeypatch):
+    """Same output and metrics; `on_round` sees every round, and its time is billed to nothing (a clock that
+    only moves inside the callback leaves draft, verify and decode time at 0)."""
+    from specdec import engine
+
     target = make_target(4)
     drafter = create_drafter("self_spec", target, 3, num_layers=1)
     a = speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, compiled=True)
-    seen = []
-    b = speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, compiled=False,
-                             on_round=lambda draft, conf, result, active: seen.append(
-                                 (conf, int(np.sum(np.asarray(result.num_accepted)[np.asarray(active)])),
-                                  int(np.sum(active)))))
-    assert a.tokens == b.tokens
-    assert a.metrics.rounds == b.metrics.rounds
-    # on_round saw every round: its active rows and accepted tokens add up to the metrics
+    seen, clock = [], [0.0]
+
+    def on_round(draft, conf, result, active):
+        clock[0] += 100.0
+        seen.append((conf, int(np.sum(np.asarray(result.num_accepted)[np.asarray(active)])), int(np.sum(active))))
+
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    b = speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, compiled=False, on_round=on_round)
+    assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
+    timing = ("prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds")
+    counts = [{k: v for k, v in dataclasses.asdict(m).items() if k not in timing} for m in (a.metrics, b.metrics)]
+    assert counts[0] == counts[1]
+    # on_round saw every round: its active rows add up to the rounds, its accepted drafts bound the committed
     assert sum(n for _, _, n in seen) == b.metrics.rounds and all(c is None for c, _, _ in seen)
-    assert sum(acc for _, acc, _ in seen) == b.metrics.accepted_draft_tokens
+    assert sum(acc for _, acc, _ in seen) >= b.metrics.accepted_draft_tokens
+    assert (b.metrics.draft_seconds, b.metrics.verify_seconds, b.metrics.decode_seconds) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="on_round needs the host-stepped loop"):
         speculative_generate(target, drafter, PROMPTS, max_new_tokens=12, on_round=print)
-    assert b.metrics.draft_seconds is not None and b.metrics.verify_seconds is not None
 
 
 def test_narrow_verify_step_equals_the_full_step_on_its_positions():
@@ -152,7 +212,10 @@ def test_eos_inside_accepted_draft_ends_row_exactly_there():
     oracle = DraftLMDrafter(target.cfg, target.params, 5, name="oracle_lm")  # accepts everything
     out = speculative_generate(target, oracle, PROMPTS, max_new_tokens=16)
     assert out.tokens == ar.tokens
-    assert out.metrics.acceptance_rate == 1.0  # so the EOS really was inside an accepted draft
+    # the oracle's drafts are always accepted (wherever a verdict was committed), and row 0 ended inside
+    # its first round's accepted drafts: it committed fewer than the N + 1 tokens a full round does
+    assert out.metrics.acceptance_by_position()["conditional"] == [1.0] * 5
+    assert out.accept_lengths[0] == [len(ar.tokens[0]) - 1] and len(ar.tokens[0]) - 1 < 6
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 7, 11])
@@ -169,12 +232,87 @@ def test_ragged_acceptance_metrics_are_consistent():
     out = speculative_generate(target, create_drafter("ngram", target, 4), PROMPTS, max_new_tokens=20)
     m = out.metrics
     assert m.new_tokens == sum(len(t) for t in out.tokens)
-    # committed tokens after the prefill token = accepted drafts + one target token per round (minus truncation)
-    assert m.new_tokens - len(PROMPTS) <= m.accepted_draft_tokens + m.rounds
-    assert m.position_accepted[0] == sum(m.position_accepted[:1])
+    # every committed token after the prefill token is an accepted draft or the one target token of its round
+    assert m.new_tokens - len(PROMPTS) == m.accepted_draft_tokens + m.rounds
+    assert [sum(a) for a in out.accept_lengths] == [len(t) - 1 for t in out.tokens]
+    assert sum(len(a) for a in out.accept_lengths) == m.rounds
     assert all(a >= b for a, b in zip(m.position_accepted, m.position_accepted[1:]))
     assert m.accepted_draft_tokens == sum(m.position_accepted)
-    assert 1.0 <= m.tau <= 5.0
+    assert all(a <= e <= p for a, e, p in zip(m.position_accepted, m.position_eligible, m.position_proposed))
+    assert m.position_proposed[0] < m.rounds  # n-gram misses: the per-position counts see unproposed rounds
+    assert m.tau == pytest.approx(1 + sum(m.acceptance_by_position()["survival"]))
+
+
+class ScriptedDrafter:
+    """A host-side chain drafter that plays a script: in its r-th active round row b proposes `valid` nodes
+    of which the first `correct` are the target's own greedy continuation (`oracle`, free of EOS) and the rest
+    wrong, with confidences `conf` (for the threshold scheduler). Every round's outcome is then known."""
+
+    def __new__(cls, oracle, script, num_draft_tokens=4, vocab=256):
+        from specdec.drafter import Drafter
+
+        class Scripted(Drafter):
+            name, kind, jittable, has_confidence = "scripted", "chain", False, True
+
+            def init(self, params, prompt, capacity):
+                return {"round": [0] * len(oracle), "prompt": np.asarray(prompt.lengths).tolist(), "conf": None}
+
+            def propose(self, params, state, ctx, sampling, key):
+                n, done, seq_len = num_draft_tokens, np.asarray(ctx.done), np.asarray(ctx.seq_len)
+                tokens, valid = np.zeros((len(oracle), n), np.int32), np.zeros((len(oracle), n), bool)
+                conf = np.ones((len(oracle), n), np.float32)
+                for b in range(len(oracle)):
+                    if done[b]:
+                        continue
+                    v, c, cf = script[b][state["round"][b]]
+                    at = seq_len[b] - state["prompt"][b]  # tokens generated so far
+                    truth = oracle[b][at: at + n]
+                    tokens[b] = [t if i < c else (t + 1) % vocab for i, t in enumerate(truth)]
+                    valid[b, :v], conf[b] = True, cf
+                    state["round"][b] += 1
+                return Draft.chain(tokens, valid=valid), {**state, "conf": conf}
+
+            def draft_confidence(self, state):
+                return jnp.asarray(state["conf"])
+
+        d = Scripted()
+        d.num_draft_tokens = num_draft_tokens
+        return d
+
+
+def test_metrics_golden_position_by_position():
+    """Two rows, greedy, a threshold scheduler. Row 0 stops at an EOS inside accepted drafts, row 1 at
+    max_new_tokens = 14 cutting its last round. Per round (valid nodes, correct nodes -> accepted, committed):
+      row 0: (4, 1 -> 1, 2); (2 varying length, 4 -> 2, 3); (4 but the scheduler keeps 3, 4 -> 3, 4);
+             (4, 4 -> 4, but EOS is the 3rd draft: commits 3, counted as 2 accepted + the round's token)
+      row 1: (0 an empty draft -> 0, 1); (4, 0 -> 0, 1); (4, 4 -> 4, 5); (4, 2 -> 2, 3);
+             (4, 4 -> 4, but 3 tokens are left: commits 3, counted 2 + 1)
+    Per position j: proposed = rounds with a node at j; accepted = rounds that committed draft j; eligible =
+    rounds where j was proposed and j-1 accepted with j's verdict committed (not in a cut's shadow)."""
+    from specdec.scheduling import Scheduler
+
+    free = generate(make_target(5, eos_token_ids=()), PROMPTS[:2], max_new_tokens=20).tokens
+    eos = free[0][12]
+    assert eos not in free[0][:12] and eos not in free[1][:14]  # row 0 ends at token 12, row 1 never
+    target = make_target(5, eos_token_ids=(eos,))
+    ones, cut3 = [1.0] * 4, [0.9, 0.8, 0.7, 0.1]
+    script = [[(4, 1, ones), (2, 4, ones), (4, 4, cut3), (4, 4, ones)],
+              [(0, 0, ones), (4, 0, ones), (4, 4, ones), (4, 2, ones), (4, 4, ones)]]
+    out = speculative_generate(target, ScriptedDrafter(free, script), PROMPTS[:2], max_new_tokens=14,
+                               scheduler=Scheduler("threshold", threshold=0.5))
+    assert out.tokens == generate(target, PROMPTS[:2], max_new_tokens=14).tokens
+    assert out.tokens == [free[0][:13], free[1][:14]]
+    assert out.accept_lengths == [[2, 3, 4, 3], [1, 1, 5, 3, 3]]
+    m = out.metrics
+    assert (m.rounds, m.new_tokens, m.accepted_draft_tokens, m.proposed_draft_tokens) == (9, 27, 16, 29)
+    assert m.position_proposed == [8, 8, 7, 6]
+    assert m.position_accepted == [7, 6, 2, 1]
+    assert m.position_eligible == [8, 7, 3, 1]
+    acc = m.acceptance_by_position()
+    assert acc["survival"] == [7 / 9, 6 / 9, 2 / 9, 1 / 9]
+    assert acc["conditional"] == [7 / 8, 6 / 7, 2 / 3, 1.0]
+    assert acc["proposal_rate"] == [8 / 9, 8 / 9, 7 / 9, 6 / 9]
+    assert m.tau == 1 + m.accepted_draft_tokens / m.rounds
 
 
 def test_unknown_drafter_and_bad_params_are_clear_errors():
@@ -192,42 +330,51 @@ def test_unknown_drafter_and_bad_params_are_clear_errors():
 # ---------------------------------------------------------------------------------------------------------
 
 VOCAB = 8
-SAMPLING = SamplingParams(temperature=1.0, top_k=6)
+# Temperature, top-k and top-p all active: top-k cuts every step to 3 tokens, top-p one step in two further.
+SAMPLING = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
+LENGTH = 9  # tokens per sample: the prefill token, then ~4.3 rounds per row with the 2-token chain below
 NUM_SAMPLES = 6000
 PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 3, 1, 4]  # every token occurs earlier, so lookup always has a proposal
+P_VALUE_MIN = 1e-3
 
 
 def distribution_target():
-    return random_target(tiny_config(vocab_size=VOCAB, eos_token_ids=(), pad_token_id=0), seed=2, scale=0.15)
+    return random_target(tiny_config(vocab_size=VOCAB, eos_token_ids=(), pad_token_id=0), seed=2, scale=0.25)
 
 
 def distribution_drafter(name, target):
-    return {"self_spec": lambda: create_drafter("self_spec", target, 3, num_layers=1),
+    return {"self_spec": lambda: create_drafter("self_spec", target, 2, num_layers=1),
             "ngram": lambda: create_drafter("ngram", target, 3, max_ngram=1),
-            "tree": lambda: create_drafter("self_spec", target, 5, num_layers=1, tree_top_k=2, tree_depth=3),
+            "tree": lambda: create_drafter("self_spec", target, 4, num_layers=1, tree_top_k=2, tree_depth=2),
             }[name]()
 
 
-def exact_joint(target, length: int) -> np.ndarray:
-    """P(first `length` generated tokens) under the target with SAMPLING, by enumeration."""
-    seqs = np.array(list(itertools.product(range(VOCAB), repeat=length)), np.int32)
-    tokens = np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1)
-    cache = target.init_cache(len(seqs), 32)
-    logits = target.forward(target.params, target.cfg, cache, jnp.asarray(tokens)).logits
-    probs = np.asarray(probabilities(logits, SAMPLING))  # [S, T, V]
-    start = len(PROMPT) - 1
-    p = np.ones(len(seqs))
-    for j in range(length):
-        p *= probs[np.arange(len(seqs)), start + j, seqs[:, j]]
-    return p
+@functools.lru_cache(maxsize=None)
+def exact_joint(length: int = LENGTH) -> tuple[np.ndarray, np.ndarray]:
+    """Every sequence of `length` generated tokens with positive probability under `distribution_target` with
+    SAMPLING, and its probability: (seqs [S, length], probs [S]), by expanding the support level by level."""
+    target = distribution_target()
+    last = jax.jit(lambda params, t: target.forward(params, target.cfg, target.init_cache(t.shape[0], 32),
+                                                    t).logits[:, -1])
+    seqs, probs = np.zeros((1, 0), np.int32), np.ones(1)
+    for _ in range(length):
+        tokens = np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1)
+        p = np.asarray(probabilities(last(target.params, jnp.asarray(tokens)), SAMPLING), np.float64)
+        row, token = np.nonzero(p > 0)
+        seqs = np.concatenate([seqs[row], token[:, None].astype(np.int32)], axis=1)
+        probs = probs[row] * p[row, token]
+    return seqs, probs
 
 
-def sampled_joint(target, drafter, policy, length=3, num_samples=NUM_SAMPLES):
-    out = speculative_generate(target, drafter, [PROMPT] * num_samples, policy=policy, max_new_tokens=length,
-                               sampling=SAMPLING, seed=123)
-    seqs = np.array(out.tokens)
-    index = (seqs * VOCAB ** np.arange(length)[::-1]).sum(axis=1)
-    return np.bincount(index, minlength=VOCAB ** length), out.metrics
+def sampled_joint(target, drafter, policy, num_samples=NUM_SAMPLES, **options):
+    """(counts over exact_joint()'s sequences, samples outside its support, metrics) of NUM_SAMPLES rows
+    decoded in one call (`options`: e.g. a scheduler)."""
+    out = speculative_generate(target, drafter, [PROMPT] * num_samples, policy=policy, max_new_tokens=LENGTH,
+                               sampling=SAMPLING, seed=123, **options)
+    seqs, _ = exact_joint()
+    index = {tuple(q): i for i, q in enumerate(seqs.tolist())}
+    found = np.array([index.get(tuple(t), -1) for t in out.tokens])
+    return np.bincount(found[found >= 0], minlength=len(seqs)), int(np.sum(found < 0)), out.metrics
 
 
 def fit(counts: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
@@ -241,33 +388,141 @@ def fit(counts: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
     return p_value, 0.5 * float(np.abs(counts / counts.sum() - exact).sum())
 
 
+@functools.lru_cache(maxsize=None)
+def tv_bound(num_samples: int = NUM_SAMPLES) -> float:
+    """The total variation an exact sampler stays under: mean + 6 sd of the TV between exact_joint() and
+    `num_samples` multinomial draws from it (300 simulations; ~0.12 + 6 x 0.004 at 6000 samples). Most of
+    the TV a correct sampler shows is this sampling noise over ~1700 outcomes."""
+    _, probs = exact_joint()
+    draws = np.random.default_rng(0).multinomial(num_samples, probs, size=300) / num_samples
+    tv = 0.5 * np.abs(draws - probs).sum(axis=1)
+    return float(tv.mean() + 6 * tv.std())
+
+
+def assert_lossless(counts, impossible, metrics, num_samples=NUM_SAMPLES):
+    """The engine's output law equals the target's: no impossible sequence, chi-square p > 1e-3 (fixed seeds,
+    so deterministic), TV under `tv_bound`; and the test really exercised speculation (>= 4 rounds per row
+    on average, drafts accepted)."""
+    p_value, tv = fit(counts, exact_joint()[1])
+    assert impossible == 0, f"{impossible} samples the target gives probability 0"
+    assert p_value > P_VALUE_MIN and tv < tv_bound(num_samples), (p_value, tv, tv_bound(num_samples))
+    assert metrics.rounds >= 4 * num_samples, metrics.rounds
+    assert metrics.accepted_draft_tokens > 0.5 * num_samples
+
+
+def assert_biased(counts, impossible):
+    """A negative control: the same check must reject the output law (p < 1e-6, or an impossible sequence)."""
+    p_value, tv = fit(counts, exact_joint()[1])
+    assert impossible > 0 or p_value < 1e-6, f"the check failed to see a bias: p = {p_value:.2e}, TV = {tv:.4f}"
+
+
 @pytest.mark.parametrize("drafter_name,policy", [("self_spec", "rejection_chain"), ("ngram", "rejection_chain"),
                                                  ("self_spec", "multidraft_tree"), ("tree", "multidraft_tree")])
 def test_sampled_speculative_output_matches_target_distribution(drafter_name, policy):
-    """The joint law of the first 3 tokens through the whole engine (prefill token, then verify rounds with
-    probabilistic, deterministic and tree drafts) equals the target's, enumerated exactly: a chi-square test at
-    significance 1e-3 (fixed seeds, so the test is deterministic). With ~200 likely outcomes and 6000 samples the
-    total variation of a correct sampler is itself ~0.07, so TV is reported, not asserted."""
+    """The joint law of the first 9 tokens through the whole engine (prefill token, then >= 4 verify rounds per
+    row on average, with probabilistic, deterministic and tree drafts) equals the target's at T=0.7 with top-k
+    and top-p, enumerated exactly (`assert_lossless`)."""
     target = distribution_target()
-    counts, metrics = sampled_joint(target, distribution_drafter(drafter_name, target), policy)
-    assert metrics.accepted_draft_tokens > 0.05 * NUM_SAMPLES  # the drafts really were used
-    p_value, tv = fit(counts, exact_joint(target, 3))
-    assert p_value > 1e-3, (p_value, tv)
+    assert_lossless(*sampled_joint(target, distribution_drafter(drafter_name, target), policy))
 
 
-def test_broken_verifier_fails_the_engine_distribution_test(monkeypatch):
-    """Negative control: drawing the correction token from p instead of the residual max(p - q, 0) biases the
-    output, and the same check must see it. Its bias is large (TV ~0.23), so 1500 samples already put the
-    p-value near 1e-23, far below the 1e-6 asserted."""
-    import specdec.verify.chain
+def q_without_top_p(logits, sampling):
+    """A subtly wrong draft q: temperature and top-k applied, top-p forgotten (the drafted token is still
+    sampled with all three). The q the verifier divides by is then off on the tokens top-p removes."""
+    from specdec.sampling import processed_logits
 
-    monkeypatch.setattr(specdec.verify.chain, "residual", lambda p, q: p)
-    jax.clear_caches()  # the compiled loop would otherwise reuse the correct verifier
+    return jax.nn.softmax(processed_logits(logits, dataclasses.replace(sampling, top_p=1.0)), axis=-1)
+
+
+@pytest.mark.parametrize("module,name,broken", [
+    ("specdec.verify.chain", "residual", lambda p, q: p),
+    ("drafters.draft_lm", "probabilities", q_without_top_p),
+], ids=["correction-from-p", "draft-q-without-top-p"])
+def test_biased_engines_fail_the_distribution_test(monkeypatch, module, name, broken):
+    """Negative controls, through the same check: drawing the correction token from p instead of the residual
+    (a gross bias), and a drafter whose q forgets top-p (a subtle one: the observed TV rises only from ~0.12,
+    the noise of 6000 samples over ~1700 outcomes, to ~0.14, yet the chi-square p-value falls to ~1e-9)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(module), name, broken)
+    jax.clear_caches()  # the compiled loop would otherwise reuse the correct code
     try:
         target = distribution_target()
-        counts, _ = sampled_joint(target, distribution_drafter("self_spec", target), "rejection_chain",
-                                  num_samples=1500)
-        p_value, tv = fit(counts, exact_joint(target, 3))
+        counts, impossible, _ = sampled_joint(target, distribution_drafter("self_spec", target), "rejection_chain")
     finally:
         jax.clear_caches()
-    assert p_value < 1e-6, (p_value, tv)
+    assert_biased(counts, impossible)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drafters sample from the q they return
+# ---------------------------------------------------------------------------------------------------------
+
+DRAFT_SAMPLING = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
+DRAFT_ROWS = 4000
+
+
+def draft_fit(target, drafter, sampling=DRAFT_SAMPLING, rows=DRAFT_ROWS, prompt=PROMPTS[0]):
+    """One proposal for `rows` copies of one prompt (the engine's prefill, drafter init and propose): rows are
+    independent draws, so at each draft position j the rows sharing the root (the first token, sampled from the
+    prefill) and the drafted prefix x_<j share q_j, and
+    their x_j must be distributed as that q_j. Returns (chi-square p-value pooled over every (j, prefix)
+    group with >= 50 rows, the largest TV over positions j between the frequencies of x_j and the rows' mean
+    q_j, drafted tokens with q_j = 0, rows whose q_j differs from their group's)."""
+    from specdec import engine
+
+    spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=None, sampling=sampling,
+                           eos_ids=())
+    tokens, lengths = pad_prompts([prompt] * rows, 0)
+    capacity = cache_capacity(lengths, 8, extra=drafter.num_draft_tokens + 1)
+    state = engine.start(spec, target, drafter, target.init_cache(rows, capacity), tokens, lengths, capacity, 8, 0)
+    draft, _ = engine._jit_propose(spec, drafter.params, state)
+    x, q = np.asarray(draft.tokens), np.asarray(draft.probs, np.float64)
+    assert np.asarray(draft.valid).all() and np.allclose(q.sum(-1), 1, atol=1e-4)
+    impossible = int(np.sum(np.take_along_axis(q, x[..., None], -1) == 0))
+    root = np.asarray(state.seq)[np.arange(rows), np.asarray(state.seq_len) - 1]  # sampled from prefill: varies
+    context = np.concatenate([root[:, None], x], axis=1)
+    stat, dof, worst_tv, inconsistent = 0.0, 0, 0.0, 0
+    for j in range(x.shape[1]):
+        groups: dict[bytes, list[int]] = {}
+        for b, prefix in enumerate(context[:, : j + 1]):
+            groups.setdefault(prefix.tobytes(), []).append(b)
+        for members in groups.values():
+            qj = q[members[0], j]
+            inconsistent += int(np.sum(~np.isclose(q[members, j], qj, atol=1e-5).all(-1)))
+            if len(members) < 50:
+                continue
+            counts = np.bincount(x[members, j], minlength=len(qj))
+            support = qj > 0
+            expected = len(members) * qj[support]
+            stat += float(np.sum((counts[support] - expected) ** 2 / expected))
+            dof += int(support.sum()) - 1
+        # all rows: the frequencies of x_j against the mixture of the rows' q_j
+        freq = np.bincount(x[:, j], minlength=q.shape[-1]) / rows
+        worst_tv = max(worst_tv, 0.5 * float(np.abs(freq - q[:, j].mean(0)).sum()))
+    return float(stats.chi2.sf(stat, max(dof, 1))), worst_tv, impossible, inconsistent
+
+
+def assert_draft_matches_its_q(target, drafter, **options):
+    """A drafter's returned q is the law its tokens were drawn from (at T=0.7 with top-k and top-p): a q that
+    is not what it sampled from would silently break rejection sampling. TV < 0.04 per position (the noise
+    of 4000 rows over the ~10-30 tokens a position's mixture covers is ~0.01-0.02)."""
+    p_value, tv, impossible, inconsistent = draft_fit(target, drafter, **options)
+    assert impossible == 0 and inconsistent == 0, (impossible, inconsistent)
+    assert p_value > P_VALUE_MIN and tv < 0.04, (p_value, tv)
+
+
+def test_draft_lm_samples_from_its_q(monkeypatch):
+    """... and the check has power: a q that forgets top-p (tokens still drawn with it) fails it."""
+    target = make_target(1)
+    drafter = create_drafter("self_spec", target, 3, num_layers=1)
+    assert_draft_matches_its_q(target, drafter)
+    import drafters.draft_lm
+
+    monkeypatch.setattr(drafters.draft_lm, "probabilities", q_without_top_p)
+    jax.clear_caches()
+    try:
+        p_value, *_ = draft_fit(target, drafter)
+    finally:
+        jax.clear_caches()
+    assert p_value < 1e-6, p_value

@@ -17,7 +17,7 @@ from experiments.datasets import DatasetError, load_all, load_prompts
 from experiments.lossless import LosslessError, check_greedy, two_sample_chi2
 from experiments.plots import pareto_front
 from experiments.quality import extract_final_number, gsm8k_correct, humaneval_passed, mbpp_passed, score_all
-from experiments.run import RunInterrupted, accept_length_multiset, batch_group, plan_batches, run_experiment
+from experiments.run import RunInterrupted, batch_group, make_record, plan_batches, run_experiment
 from experiments.sweep import run_sweep
 from experiments.tracking import MemoryTracker
 from specdec.config import DatasetConfig, ConfigError, load_config
@@ -45,13 +45,14 @@ def read_jsonl(path):
 
 def test_run_end_to_end_with_memory_tracker(tmp_path):
     tracker = MemoryTracker("e2e")
-    summary = run_experiment(tiny_cfg(tmp_path, "e2e"), tracker=tracker, progress=False, echo=quiet)
+    cfg = tiny_cfg(tmp_path, "e2e", "generation.batch_size=2")  # per-row records of a batch of 2
+    summary = run_experiment(cfg, tracker=tracker, progress=False, echo=quiet)
     out = tmp_path / "e2e"
     for name in ("config.yaml", "summary.json", "table.md", "acceptance_by_position.png", "by_category.png",
                  "answers/autoregressive.jsonl", "answers/speculative.jsonl", "metrics/speculative.jsonl"):
         assert (out / name).is_file(), name
     assert json.loads((out / "summary.json").read_text()) == summary
-    assert load_config(out / "config.yaml") == tiny_cfg(tmp_path, "e2e")
+    assert load_config(out / "config.yaml") == cfg
 
     # the summary schema
     for key in ("tau", "acceptance_rate", "tokens_per_second", "ar_tokens_per_second", "speedup",
@@ -60,7 +61,10 @@ def test_run_end_to_end_with_memory_tracker(tmp_path):
         assert key in summary, key
     assert summary["status"] == "complete" and summary["prompts"] == 2
     assert summary["tau"] >= 1.0 and summary["speedup"] > 0
-    assert len(summary["acceptance_by_position"]["survival"]) == 4
+    acc = summary["acceptance_by_position"]
+    assert {len(v) for v in acc.values()} == {4}
+    assert summary["tau"] == pytest.approx(1 + sum(acc["survival"]))  # accepted counted from what was committed
+    assert all(a <= e <= p for a, e, p in zip(acc["accepted"], acc["eligible"], acc["proposed"]))
     assert summary["draft_verify"]["draft_seconds"] is not None and summary["draft_verify"]["verify_seconds"] > 0
     assert summary["lossless"]["kind"] == "greedy" and summary["lossless"]["passed"] is True
     assert summary["lossless"]["prompts_checked"] == 2
@@ -77,7 +81,7 @@ def test_run_end_to_end_with_memory_tracker(tmp_path):
             assert {"question_id", "category", "answer_id", "model_id", "choices"} <= set(r)
             assert c["new_tokens"][0] == len(r["token_ids"]) and c["wall_time"][0] > 0 and c["turns"][0] is not None
             assert len(c["accept_lengths"]) == c["decoding_steps"][0]
-            assert sum(c["accept_lengths"]) >= c["new_tokens"][0] - 1
+            assert sum(c["accept_lengths"]) == c["new_tokens"][0] - 1
     spec = read_jsonl(out / "answers" / "speculative.jsonl")
     assert sum(len(r["choices"][0]["accept_lengths"]) for r in spec) == summary["speculative"]["rounds"]
 
@@ -204,11 +208,16 @@ def test_sampled_check_flags_a_shifted_distribution(monkeypatch):
         bad.raise_if_failed()
 
 
-def test_accept_lengths_from_position_counts_and_batch_plan():
-    # 5 rounds: accepted 0, 0, 1, 2, 4 drafts -> per position "accepted at least j+1": [3, 2, 1, 1]
-    m = DecodeMetrics(new_tokens=13, rounds=5, accepted_draft_tokens=7, proposed_draft_tokens=20, prefill_seconds=0,
-                      decode_seconds=1, position_proposed=[5, 5, 5, 5], position_accepted=[3, 2, 1, 1])
-    assert accept_length_multiset(m) == [1, 1, 2, 3, 5]
+def test_per_row_records_and_batch_plan():
+    """A batch-of-2 record: the row's own accept lengths in round order, its own steps, and its share of the
+    batch's decode time (3 of the batch's 4 loop iterations)."""
+    m = DecodeMetrics(new_tokens=13, rounds=7, accepted_draft_tokens=4, proposed_draft_tokens=20,
+                      prefill_seconds=1.0, decode_seconds=8.0, batch_size=2)
+    prompt = load_prompts(DatasetConfig("quickstart"))[0]
+    r = make_record("speculative", "m", prompt, [7] * 6, "t", m, 2, 0, 3, [3, 1, 1], 4)
+    c = r["choices"][0]
+    assert c["accept_lengths"] == [3, 1, 1] and c["decoding_steps"] == [3]
+    assert c["wall_time"] == [1.0 + 8.0 * 3 / 4] and r["batch_wall_time"] == 9.0
     prompts = load_prompts(DatasetConfig("quickstart")) + load_prompts(DatasetConfig("quickstart", category="x"))
     prompts[8:] = [dataclasses.replace(p, dataset="other") for p in prompts[8:]]
     batches = plan_batches(prompts, 3)

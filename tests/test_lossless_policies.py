@@ -10,7 +10,7 @@ makes these three tokens distributed as p(t1) p(t2 | t1) p(t3 | t1, t2), which w
 The check (`assert_matches`): no sample in a zero-probability cell; a chi-square goodness-of-fit test over the
 125 cells (cells with expected count < 5 pooled) with p-value > 1e-3; and total variation distance below
 TV_TOLERANCE = 0.015. For an exact sampler with B = 200,000 the TV over these cells is about 0.007 with a
-standard deviation of 0.0007 (multinomial simulation at temperature 1; less with top-k, fewer cells), so the
+standard deviation of 0.0007 (multinomial simulation at temperature 1; less with top-k and top-p, fewer cells), so the
 tolerance is ten standard deviations away, while the broken verifiers below land at TV 0.045 to 0.27 with
 chi-square p-values of 0. Seeds are fixed, so the outcome is deterministic for a given JAX version; with a
 fresh seed each chi-square check would fail by chance with probability 1e-3.
@@ -38,7 +38,8 @@ P_VALUE_MIN = 1e-3
 TV_TOLERANCE = 0.015
 SAMPLINGS = {
     "t1": SamplingParams(temperature=1.0),
-    "t0.7-topk3": SamplingParams(temperature=0.7, top_k=3),
+    # all three transforms: top-k keeps 3 of the 5 tokens, then top-p cuts most of these rows to 2 or 1
+    "t0.7-topk3-topp0.8": SamplingParams(temperature=0.7, top_k=3, top_p=0.8),
 }
 
 

@@ -125,3 +125,10 @@ def test_greedy_medusa_tree_equals_ar(target, policy):
     ar = generate(target, PROMPTS, max_new_tokens=17)
     out = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17)
     assert out.tokens == ar.tokens
+
+
+def test_medusa_samples_from_its_q(target):
+    """The drafted tokens' frequencies match the returned q (T=0.7, top-k, top-p; tests/test_engine.py)."""
+    from tests.test_engine import assert_draft_matches_its_q
+
+    assert_draft_matches_its_q(target, make(target)[2])

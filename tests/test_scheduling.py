@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from drafters import dspark
+from drafters import create_drafter, dspark
+from drafters.draft_lm import DraftLMDrafter, _prefix_layers
 from specdec import scheduling
 from specdec.config import SchedulerConfig
 from specdec.engine import speculative_generate
@@ -22,10 +23,10 @@ from specdec.verify import Draft, get_policy
 from tests.test_engine import (
     NUM_SAMPLES,
     PROMPT,
-    SAMPLING,
+    assert_biased,
+    assert_lossless,
     distribution_target,
-    exact_joint,
-    fit,
+    sampled_joint,
 )
 
 LINEAR = ((1, 1.0), (64, 1.0 / 1.63))  # step time 1 + 0.01 (n - 1): SPS falls slowly with the token batch
@@ -143,20 +144,59 @@ SCHEDULERS = {
 
 @pytest.mark.parametrize("name", list(SCHEDULERS))
 def test_engine_sampled_output_is_target_distribution_with_dspark(name):
-    """tests/test_engine.py's check (joint law of the first 3 tokens vs exact enumeration, chi-square at 1e-3)
-    with DSpark drafts (sequential sampling, exact q) and the scheduler deciding the verify lengths."""
+    """tests/test_engine.py's check (`assert_lossless`: the joint law of 9 tokens at T=0.7 with top-k and top-p
+    vs exact enumeration, chi-square and TV) with DSpark drafts (sequential sampling, exact q) and the
+    scheduler deciding the verify lengths."""
     target = distribution_target()
-    drafter = random_dspark(target)
-    out = speculative_generate(target, drafter, [PROMPT] * NUM_SAMPLES, policy="rejection_chain",
-                               max_new_tokens=3, sampling=SAMPLING, seed=123, scheduler=SCHEDULERS[name])
-    seqs = np.array(out.tokens)
-    counts = np.bincount((seqs * 8 ** np.arange(3)[::-1]).sum(axis=1), minlength=8 ** 3)
-    m = out.metrics
-    assert m.accepted_draft_tokens > 0.05 * NUM_SAMPLES  # the drafts really were used
+    counts, impossible, m = sampled_joint(target, random_dspark(target), "rejection_chain",
+                                          scheduler=SCHEDULERS[name])
     if name != "fixed":  # the scheduler really shortened some rows' drafts, not all of them
         assert 0 < m.proposed_draft_tokens < 3 * m.rounds, (m.proposed_draft_tokens, m.rounds)
-    p_value, tv = fit(counts, exact_joint(target, 3))
-    assert p_value > 1e-3, (p_value, tv)
+    assert_lossless(counts, impossible, m)
+
+
+class ConfidenceReadsItsToken(DraftLMDrafter):
+    """Breaks the draft_confidence contract: self-speculation (sampled drafts with spread-out q; with a
+    near-deterministic q skipping verification would change nothing) whose position-j confidence is high
+    exactly when x_j is q_j's most likely token, i.e. it reads the token it scores."""
+
+    has_confidence = True
+
+    def init(self, params, prompt, capacity):
+        return super().init(params, prompt, capacity), jnp.ones((prompt.tokens.shape[0], self.num_draft_tokens))
+
+    def propose(self, params, state, ctx, sampling, key):
+        draft, cache = super().propose(params, state[0], ctx, sampling, key)
+        mode = draft.tokens == jnp.argmax(draft.probs, axis=-1)
+        return draft, (cache, jnp.cumprod(jnp.where(mode, 0.9, 0.1), axis=-1))
+
+    def draft_confidence(self, state):
+        return state[1]
+
+
+def test_confidence_that_reads_its_token_fails_the_distribution_test():
+    """Negative control for the contract of `Drafter.draft_confidence`: under the threshold scheduler such a
+    confidence verifies x_j only when x_j is q's mode (else the target samples position j itself), and the
+    output law is visibly not the target's."""
+    target = distribution_target()
+    cfg = target.cfg.replace(num_layers=1)  # self-speculation from the target's first layer
+    bad = ConfidenceReadsItsToken(cfg, _prefix_layers(target.params, 1), 2, name="reads_its_token")
+    counts, impossible, m = sampled_joint(target, bad, "rejection_chain", scheduler=SCHEDULERS["threshold"])
+    assert 0 < m.proposed_draft_tokens < 2 * m.rounds  # it did cut drafts by the token
+    assert_biased(counts, impossible)
+
+
+def test_scheduler_makes_the_confidence_non_increasing():
+    """A confidence that rises along j is read as its cumulative minimum: the prefix scheduler admits positions
+    in confidence order, which is a prefix of the draft only for non-increasing values. Here the raw values
+    would admit row 0's positions 1 and 2 (0.9) before its position 0 (0.2) and count them as a length of 2."""
+    s = Scheduler("prefix", profile=((1, 1.0), (2, 1.0), (4, 0.5)))
+    rising = jnp.asarray([[0.2, 0.9, 0.9]])
+    draft = Draft.chain(jnp.ones((1, 3), jnp.int32))
+    active = jnp.ones(1, bool)
+    assert s.lengths(rising, active).tolist() != s.lengths(jax.lax.cummin(rising, axis=1), active).tolist()
+    assert s.apply(draft, rising, active).valid.tolist() == \
+        s.apply(draft, jax.lax.cummin(rising, axis=1), active).valid.tolist()
 
 
 def test_padded_cost_model_counts_the_bucket_of_the_longest_row():
@@ -201,8 +241,6 @@ def test_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 
 def test_scheduler_needs_a_confidence_drafter():
-    from drafters import create_drafter
-
     target = distribution_target()
     with pytest.raises(ValueError, match="draft confidences"):
         speculative_generate(target, create_drafter("ngram", target, 3), [PROMPT], max_new_tokens=4,

@@ -243,9 +243,9 @@ def seed_corpus(drafter, probe):
         drafter.observe(doc)
 
 
-def run(target, drafter, prompts, policy, sampling=SamplingParams(), warmup=False):
+def run(target, drafter, prompts, policy, sampling=SamplingParams(), warmup=False, **options):
     return speculative_generate(target, drafter, prompts, policy=policy, max_new_tokens=MAX_NEW,
-                                sampling=sampling, warmup=warmup)
+                                sampling=sampling, warmup=warmup, **options)
 
 
 def run_recorded(target, drafter, prompts, policy):
@@ -304,6 +304,22 @@ def test_greedy_equality_batch1(setup, policy):
     assert [run(target, drafter, [p], policy).tokens[0] for p in PROMPTS] == ref1  # corpus grows per request
     seed_corpus(drafter, probe)
     assert [run(target, drafter, [p], policy).tokens[0] for p in PROMPTS] == ref1
+
+
+def test_greedy_equality_with_verify_buckets(setup):
+    """Ragged suffix trees (rows with few or no nodes) let rounds run a narrower verify step
+    (`verify.buckets`): greedy output still equals AR, row 0 stopping at EOS and the others at max_new_tokens."""
+    target, drafter, ref3, _, _ = setup
+    drafter.clear_global()  # per-request index only: early rounds find few or no continuations
+    widths = []
+
+    def on_round(draft, conf, result, active):
+        valid = np.asarray(draft.valid)[np.asarray(active)]
+        widths.append(int(np.max(np.nonzero(valid.any(0))[0], initial=-1)) + 1)  # nodes the step needs
+
+    out = run(target, drafter, PROMPTS, "greedy_tree", verify_buckets="auto", on_round=on_round, compiled=False)
+    assert out.tokens == ref3
+    assert min(widths) < NODES // 2 and max(widths) > NODES // 2, widths  # narrow and wide steps both ran
 
 
 def test_global_corpus_raises_acceptance_on_repeated_request(setup):
