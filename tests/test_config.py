@@ -299,7 +299,9 @@ def test_shipped_examples_say_what_they_should():
     assert quick.data.datasets[0].name == "quickstart"
     assert load_config(CONFIGS / "tiny.yaml").model.name == "tiny"
     runs = expand_sweep(CONFIGS / "sweeps" / "draft_length.yaml")
-    assert [c.drafter.num_draft_tokens for _, c in runs] == [2, 4, 6, 8]
+    assert [(c.drafter.num_draft_tokens, c.scheduler.kind) for _, c in runs] == [
+        (k, kind) for k in (2, 4, 6, 8) for kind in ("fixed", "adaptive")]
+    assert quick.scheduler.kind == "adaptive"  # the default the quickstart shows
 
 
 def test_configs_are_immutable():

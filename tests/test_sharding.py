@@ -205,7 +205,9 @@ def check_logits(work):
                 assert leaf.addressable_shards[0].data.shape[kv_head_axis(leaf.ndim)] == cfg.num_kv_heads // model
             got = step(target.forward, target.params, cache, tokens)
             where = f"{backend} mesh {data}x{model}"
-            np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5, err_msg=where)
+            # the all-reduce order of a 2x4 mesh moves the logits' last bits: 1.5e-5 absolute (2.7e-4 relative on a
+            # near-zero logit) on this project's 2-core VMs of 2026-12-01, where 1e-5 had passed before
+            np.testing.assert_allclose(got.logits, want.logits, rtol=1e-4, atol=3e-5, err_msg=where)
             # the residual stream is O(1) here (peaky weights): all-reduce order moves its last bits
             np.testing.assert_allclose(got.hidden, want.hidden, rtol=1e-4, atol=1e-4, err_msg=where)
             np.testing.assert_allclose(got.taps, want.taps, rtol=1e-4, atol=1e-4, err_msg=where)
