@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec import trees
+from specdec.scheduling import cache_root, cached_measurement
 
 COST_FILE = "round_costs.json"
 
@@ -244,8 +245,7 @@ def cost_key(target, drafter, policy: str, sampling, batch: int, capacity: int, 
 
 
 def default_cost_path() -> Path:
-    root = os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
-    return Path(root) / COST_FILE
+    return cache_root() / COST_FILE
 
 
 def measure_round_costs(run_forced, num_widths: int, repeats: int = 2):
@@ -263,22 +263,14 @@ def measure_round_costs(run_forced, num_widths: int, repeats: int = 2):
 
 
 def load_or_measure_round_costs(key: str, measure, path=None, reprofile: bool = False, log=print):
+    """(round_cost, draft_cost) for `key`, from the JSON cache or measured by `measure()` (then cached)."""
     file = Path(path) if path else default_cost_path()
-    table = {}
-    if file.is_file():
-        try:
-            table = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"scheduler.cost_path: {file} is not valid JSON ({e})") from None
-    if reprofile or key not in table:
+
+    def timed():
         log(f"measuring the cost of a speculative round at each verify width (cached in {file})")
         t0 = time.perf_counter()
         round_cost, draft_cost = measure()
-        table[key] = {"round_cost": round_cost, "draft_cost": draft_cost,
-                      "measured_seconds": time.perf_counter() - t0}
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".partial")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, file)
-    entry = table[key]
+        return {"round_cost": round_cost, "draft_cost": draft_cost, "measured_seconds": time.perf_counter() - t0}
+
+    entry = cached_measurement(file, key, timed, "scheduler.cost_path", reprofile)
     return tuple(entry["round_cost"]), float(entry["draft_cost"])

@@ -182,9 +182,30 @@ def _profile_key(target, max_tokens: int) -> str:
     return f"{target.cfg.name}|{backend}|{dev.platform}:{dev.device_kind}|{max_tokens}"
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec"))
+
+
 def default_profile_path() -> Path:
-    root = os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
-    return Path(root) / "sps_profiles.json"
+    return cache_root() / "sps_profiles.json"
+
+
+def cached_measurement(file: Path, key: str, measure, option: str, remeasure: bool = False):
+    """`measure()`'s result stored under `key` in the JSON table `file` (measured when absent or `remeasure`,
+    written atomically); `option` names the config key of the path in the error for a corrupt file."""
+    table = {}
+    if file.is_file():
+        try:
+            table = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{option}: {file} is not valid JSON ({e})") from None
+    if remeasure or key not in table:
+        table[key] = measure()
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".partial")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, file)
+    return table[key]
 
 
 def load_or_measure_profile(target, max_tokens: int, path: str | os.PathLike | None = None,
@@ -192,21 +213,13 @@ def load_or_measure_profile(target, max_tokens: int, path: str | os.PathLike | N
     """The SPS profile of `target` on this backend for token batches up to `max_tokens`, measured once and
     cached in a JSON file (keyed by model, backend, device and size range)."""
     file = Path(path) if path else default_profile_path()
-    key = _profile_key(target, max_tokens)
-    table = {}
-    if file.is_file():
-        try:
-            table = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"scheduler.profile_path: {file} is not valid JSON ({e})") from None
-    if key not in table:
+
+    def measure():
         log(f"profiling target verify throughput SPS(n) for n <= {max_tokens} (cached in {file})")
-        table[key] = measure_sps(target, profile_sizes(max_tokens))
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".partial")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, file)
-    return tuple((int(n), float(s)) for n, s in table[key])
+        return measure_sps(target, profile_sizes(max_tokens))
+
+    profile = cached_measurement(file, _profile_key(target, max_tokens), measure, "scheduler.profile_path")
+    return tuple((int(n), float(s)) for n, s in profile)
 
 
 def make_scheduler(cfg, target=None, max_tokens: int | None = None, log=print) -> Scheduler | None:
