@@ -63,10 +63,9 @@ class AdaptiveState:
     force_plan: jax.Array  # int32 []
     force_refine: jax.Array  # int32 []
     force_valid: jax.Array  # bool []
-    # what the round being verified did (set by `refine`, read by `observe`)
-    last_drafted_valid: jax.Array  # bool [B, N] the draft's own valid mask, before the width cut
+    # what the round being verified drafted (set by `refine`, read by `observe`)
+    last_drafted_levels: jax.Array  # bool [B, N] depths the drafter proposed, before the width cut
     last_drafted: jax.Array  # bool []
-    last_width: jax.Array  # int32 [] index of the verify bucket the target step ran
     # accounting over the whole loop (the cost model's prediction, printed next to the measured time)
     width_rounds: jax.Array  # int32 [K] loop iterations per verify width
     skipped_drafts: jax.Array  # int32 [] iterations that skipped the draft
@@ -118,13 +117,14 @@ class AdaptiveWidth:
             hits=zeros(), reached=zeros(), drafted=zeros(), drafts=jnp.zeros((batch, 1), jnp.float32),
             round_cost=jnp.asarray(round_cost, jnp.float32), draft_cost=jnp.asarray(draft_cost, jnp.float32),
             force_plan=jnp.asarray(-1, jnp.int32), force_refine=jnp.asarray(-1, jnp.int32),
-            force_valid=jnp.asarray(False), last_drafted_valid=jnp.zeros((batch, num_nodes), bool),
-            last_drafted=jnp.asarray(False), last_width=jnp.zeros((), jnp.int32),
+            force_valid=jnp.asarray(False), last_drafted_levels=jnp.zeros((batch, num_nodes), bool),
+            last_drafted=jnp.asarray(False),
             width_rounds=jnp.zeros((k,), jnp.int32), skipped_drafts=jnp.zeros((), jnp.int32),
             predicted_seconds=jnp.zeros((), jnp.float32))
 
-    def _rate(self, num, den):
-        return (num + self.prior_weight * self.prior) / (den + self.prior_weight)
+    def _rate(self, num, den, prior=None):
+        prior = self.prior if prior is None else prior
+        return (num + self.prior_weight * prior) / (den + self.prior_weight)
 
     def acceptance(self, st: AdaptiveState) -> jax.Array:
         """P(position j accepted | j verified and j-1 accepted), per row: [B, N]. Position 1's prior is `prior`;
@@ -133,7 +133,7 @@ class AdaptiveWidth:
         prior = jnp.full(st.hits.shape[:1], self.prior, jnp.float32)
         rates = []
         for j in range(st.hits.shape[1]):  # static loop over draft positions
-            prior = (st.hits[:, j] + self.prior_weight * prior) / (st.reached[:, j] + self.prior_weight)
+            prior = self._rate(st.hits[:, j], st.reached[:, j], prior)
             rates.append(prior)
         return jnp.stack(rates, axis=1)
 
@@ -173,42 +173,44 @@ class AdaptiveWidth:
         n = draft.num_nodes
         w = jnp.asarray(widths, jnp.int32)
         valid = jnp.where(st.force_valid, True, draft.valid)
+        if tree:  # a valid node's depth does not depend on which other nodes are valid (its ancestors are)
+            _, depth = trees.tree_attention(draft.parents, valid)
+            drafted_levels = trees.levels_present(draft.valid, depth)
+        else:
+            drafted_levels = draft.valid
         k = planned
         if look:
             lead = jnp.sum(jnp.cumprod(valid.astype(jnp.int32), axis=1), axis=1)  # drafted prefix length [B]
             cum = jnp.concatenate([jnp.zeros((valid.shape[0], 1)), jnp.cumsum(self.survival(st), axis=1)], axis=1)
             if tree:  # a tree's value: the levels it reaches, if verified at all
-                _, depth = trees.tree_attention(draft.parents, valid)
                 lead = jnp.max(jnp.where(valid, depth[:, 1:], 0), axis=1)
             upto = jnp.minimum(w[None, :], lead[:, None])  # [B, K]
             value = jnp.sum(jnp.where(active[:, None], 1.0 + jnp.take_along_axis(cum, upto, axis=1), 0.0), axis=0)
             verify_only = jnp.where(w > 0, st.round_cost - st.draft_cost, st.round_cost)  # the draft is paid
             k = jnp.where(drafted, self._best(value, verify_only, self._allowed(widths, n, tree)), planned)
         k = jnp.where(st.force_refine >= 0, st.force_refine, k)
-        keep = valid & (jnp.arange(n)[None, :] < w[k]) & drafted
-        if tree:  # a kept node's ancestors are kept (nodes are topologically sorted, ancestors come first)
+        if tree:  # a tree is verified whole or not at all
             keep = valid & (w[k] > 0) & drafted
+        else:
+            keep = valid & (jnp.arange(n)[None, :] < w[k]) & drafted
         last = jnp.max(jnp.where(keep & active[:, None], jnp.arange(1, n + 1)[None, :], 0))
         ran = jnp.searchsorted(w, last).astype(jnp.int32)  # the bucket the verify step will run
         cost = jnp.where(drafted, jnp.where(ran > 0, st.round_cost[ran], st.draft_cost + st.round_cost[0]),
                          st.round_cost[0])
         any_active = jnp.any(active)
         st = dataclasses.replace(
-            st, last_drafted_valid=draft.valid & drafted, last_drafted=drafted, last_width=ran,
+            st, last_drafted_levels=drafted_levels & drafted, last_drafted=drafted,
             width_rounds=st.width_rounds.at[ran].add(any_active.astype(jnp.int32)),
             skipped_drafts=st.skipped_drafts + (any_active & ~drafted).astype(jnp.int32),
             predicted_seconds=st.predicted_seconds + jnp.where(any_active, cost, 0.0))
         return dataclasses.replace(draft, valid=keep), st
 
-    def observe(self, st: AdaptiveState, draft, num_accepted: jax.Array, active: jax.Array) -> AdaptiveState:
-        """Fold one verified round into each active row's history. `draft` is the draft as verified."""
-        n = draft.num_nodes
-        _, depth = trees.tree_attention(draft.parents, draft.valid)
-        levels = jnp.arange(1, n + 1)[None, :, None]
-        verified = jnp.any(draft.valid[:, None, :] & (depth[:, None, 1:] == levels), axis=2)  # [B, N] by depth
-        _, drafted_depth = trees.tree_attention(draft.parents, st.last_drafted_valid)
-        was_drafted = jnp.any(st.last_drafted_valid[:, None, :] & (drafted_depth[:, None, 1:] == levels), axis=2)
-        pos = jnp.arange(n)[None, :]
+    def observe(self, st: AdaptiveState, verified: jax.Array, num_accepted: jax.Array,
+                active: jax.Array) -> AdaptiveState:
+        """Fold one verified round into each active row's history. `verified` [B, N]: the depths the target
+        verified (`trees.levels_present` of the draft as verified)."""
+        was_drafted = st.last_drafted_levels
+        pos = jnp.arange(verified.shape[1])[None, :]
         reached = verified & (pos <= num_accepted[:, None])  # j verified and j-1 accepted
         hit = reached & (pos < num_accepted[:, None])
         g = jnp.where(active[:, None], self.decay, 1.0)  # finished rows keep their counts
@@ -262,12 +264,11 @@ def measure_round_costs(run_forced, num_widths: int, repeats: int = 2):
     return [float(c) for c in round_cost], max(float(draft_round - round_cost[0]), 0.0)
 
 
-def load_or_measure_round_costs(key: str, measure, path=None, reprofile: bool = False, log=print):
+def load_or_measure_round_costs(key: str, measure, path=None, reprofile: bool = False):
     """(round_cost, draft_cost) for `key`, from the JSON cache or measured by `measure()` (then cached)."""
     file = Path(path) if path else default_cost_path()
 
     def timed():
-        log(f"measuring the cost of a speculative round at each verify width (cached in {file})")
         t0 = time.perf_counter()
         round_cost, draft_cost = measure()
         return {"round_cost": round_cost, "draft_cost": draft_cost, "measured_seconds": time.perf_counter() - t0}

@@ -33,6 +33,7 @@ from specdec.sampling import GREEDY, SamplingParams, sample
 from specdec.sharding import to_host
 from specdec.target import Target
 from specdec.verify import Draft, VerifyResult, get_policy
+from specdec.verify.base import commit as commit_result
 
 
 @jax.tree_util.register_dataclass
@@ -223,9 +224,8 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, w
     out, depth = verify_step(spec, tparams, state, draft, width)
     if width == 0:  # nothing to verify: the target's token is drawn from p at the root, as every policy does then
         token = sample(sub, out.logits[:, 0], spec.sampling)
-        result = VerifyResult(num_accepted=jnp.zeros((batch,), jnp.int32),
-                              tokens=jnp.full((batch, num_nodes + 1), -1, jnp.int32).at[:, 0].set(token),
-                              path=jnp.full((batch, num_nodes), -1, jnp.int32))
+        none = jnp.zeros((batch,), jnp.int32)
+        result = commit_result(draft.tokens, jnp.full((batch, num_nodes), -1, jnp.int32), none, token)
     else:
         result = spec.policy.verify(draft, out.logits, spec.sampling, sub)
     cache = out.cache
@@ -241,9 +241,6 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, w
     commit = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, commit)
     commit = jnp.minimum(commit, state.limit - state.num_new)
     active = ~state.done
-    if isinstance(spec.scheduler, AdaptiveWidth):
-        state = dataclasses.replace(state, sched=spec.scheduler.observe(state.sched, draft, result.num_accepted,
-                                                                        active))
     commit = jnp.where(active, commit, 0)
     seq = write_tokens(state.seq, jnp.where(slot < commit[:, None], result.tokens, 0), state.seq_len)
     seq_len = state.seq_len + commit
@@ -262,7 +259,10 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, w
     kept = jnp.where(active, jnp.minimum(a, commit - 1), 0)  # accepted drafts committed (and counted)
     node_depth = depth[:, 1:]
     levels = jnp.arange(1, num_nodes + 1)[None, :, None]
-    has_level = jnp.any(draft.valid[:, None, :] & (node_depth[:, None, :] == levels), axis=2)  # [B, N]
+    has_level = trees.levels_present(draft.valid, depth)  # [B, N]
+    if isinstance(spec.scheduler, AdaptiveWidth):
+        state = dataclasses.replace(state, sched=spec.scheduler.observe(state.sched, has_level, result.num_accepted,
+                                                                        active))
     took_level = slot[:, :num_nodes] < kept[:, None]
     # Position j's verdict is observed when positions < j were kept and j was either kept or rejected (j == a,
     # no cut), with a candidate at depth j+1 below the accepted node at depth j (the root for j = 0).
@@ -445,7 +445,7 @@ def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, length
 
     key = cost_key(target, drafter, policy, spec.sampling, len(tokens), capacity, spec.verify_widths)
     return load_or_measure_round_costs(key, lambda: measure_round_costs(run_forced, len(spec.verify_widths)),
-                                       sched.cost_path, sched.reprofile, log=lambda msg: None)
+                                       sched.cost_path, sched.reprofile)
 
 
 def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, tokens, lengths, capacity: int,

@@ -142,6 +142,14 @@ def tree_attention(parents: jax.Array, valid: jax.Array | None = None) -> tuple[
     return mask, depth
 
 
+def levels_present(mask: jax.Array, depth: jax.Array) -> jax.Array:
+    """bool [B, N]: whether any node in `mask` [B, N] sits at depth j + 1, from `tree_attention`'s depth
+    [B, N+1] (for a chain, level j is node j)."""
+    n = mask.shape[1]
+    levels = jnp.arange(1, n + 1)[None, :, None]
+    return jnp.any(mask[:, None, :] & (depth[:, None, 1:] == levels), axis=2)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Dynamic trees (EAGLE-2)
 # ----------------------------------------------------------------------------------------------------------
