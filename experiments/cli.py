@@ -183,7 +183,7 @@ def cmd_data(args) -> int:
     responses under `train.data_dir` (sampling: `sampling`; length and batch: `generation`)."""
     from experiments.build import build_target
     from specdec.config import load_config
-    from specdec.train.data import (SELF_PROMPTS, build_distill_data, load_prompt_records,
+    from specdec.train.data import (SELF_PROMPTS, build_distill_data, contamination_filter, load_prompt_records,
                                     self_generated_prompts)
 
     cfg = load_config(args.config, args.overrides)
@@ -202,18 +202,26 @@ def cmd_data(args) -> int:
                 max_new_tokens=min(gen.max_new_tokens, 128), batch_size=gen.batch_size,
                 progress=not args.no_progress, cache_path=Path(tc.data_dir) / "self_prompts.jsonl")
         else:
+            contaminated = contamination_filter(ds.decontaminate) if ds.decontaminate else None
             prompts += load_prompt_records(ds.name, split=ds.split, field=ds.field, limit=ds.limit,
-                                          sample_seed=ds.sample_seed)
+                                          sample_seed=ds.sample_seed, response_field=ds.response_field,
+                                          exclude_ids=sorted(ds.excluded_ids()), contaminated=contaminated)
+    forced = sum(p.response is not None for p in prompts)
     max_prompt = tc.seq_len - gen.max_new_tokens if tc.seq_len > gen.max_new_tokens else tc.seq_len // 2
-    print(f"{len(prompts)} prompts -> responses of up to {gen.max_new_tokens} tokens "
-          f"(temperature {sampling.temperature}, batch {gen.batch_size}) into {tc.data_dir}", flush=True)
+    print(f"{len(prompts)} prompts ({forced} with given responses: teacher-forced) -> responses of up to "
+          f"{gen.max_new_tokens} tokens (temperature {sampling.temperature}, batch {gen.batch_size}) into "
+          f"{tc.data_dir}", flush=True)
     summary = build_distill_data(target, prompts, tc.data_dir, sampling=sampling, seed=cfg.sampling.seed,
                                  max_new_tokens=gen.max_new_tokens, batch_size=gen.batch_size,
                                  shard_size=tc.shard_size, chat_template=cfg.data.chat_template,
-                                 max_prompt_len=max_prompt, progress=not args.no_progress)
+                                 max_prompt_len=max_prompt, max_total_len=tc.seq_len,
+                                 progress=not args.no_progress)
     print("\ndistillation data:")
     print(_summary_lines(summary, ["data_dir", "prompts", "skipped_prompts", "examples", "prompt_tokens",
-                                   "response_tokens", "stopped_at_eos", "seconds", "generate_tokens_per_second"]))
+                                   "response_tokens", "teacher_forced_examples", "stopped_at_eos", "seconds",
+                                   "generate_tokens_per_second"]))
+    for source, counts in summary["sources"].items():
+        print(f"    {source}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     return 0
 
 

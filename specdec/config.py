@@ -204,10 +204,27 @@ class DatasetConfig:
     # Shuffle the records with this seed before `per_category` / `limit`: a random sample instead of the file's
     # first N (files sorted by source, like the training prompts, otherwise give N of one source). None: file order.
     sample_seed: int | None = None
+    # Distillation data only (`specdec data`). A response field makes the examples teacher-forced: the record's
+    # own answer ("auto": response / answer / output / completion / code, or the last assistant turn of
+    # `messages`) is used instead of generating one.
+    response_field: str | None = None
+    exclude_ids: tuple[str, ...] = ()  # record ids to leave out; "11-510" is a range of integer ids
+    decontaminate: tuple[str, ...] = ()  # evaluation files: drop prompts sharing a 13-word n-gram with them
 
     def __post_init__(self):
         _require(bool(self.name), "name", "must not be empty")
         _at_least(self, 1, "limit", "per_category")
+        for item in self.exclude_ids:
+            lo, dash, hi = str(item).partition("-")
+            _require((lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)) if dash else bool(str(item)),
+                     "exclude_ids", f"{item!r} is neither an id nor a range 'low-high' of integer ids")
+
+    def excluded_ids(self) -> set[str]:
+        out: set[str] = set()
+        for item in self.exclude_ids:
+            lo, dash, hi = str(item).partition("-")
+            out |= {str(i) for i in range(int(lo), int(hi) + 1)} if dash else {str(item)}
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ from experiments.tracking import MemoryTracker
 from specdec.config import load_config, to_dict
 from specdec.engine import speculative_generate
 from specdec.generate import generate
+from specdec.sampling import SamplingParams
 from specdec.target import Target
 from specdec.train import checkpoint as ckpt
 from specdec.train import data as D
@@ -126,6 +127,55 @@ def test_prompt_files_and_offline_hub(tmp_path, monkeypatch):
         D.load_prompt_records("someone/prompts")
     with pytest.raises(D.DataError, match="no distillation data"):
         D.load_distill_data(tmp_path / "nothing")
+
+
+def test_teacher_forced_examples_mix_with_generated_ones(tmp_path, target):
+    """Records with given answers become teacher-forced examples (no generation; the answer's bytes + EOS on the
+    tiny byte-level target), mixed with generated ones in one data set with per-source counts; MBPP-style id
+    ranges and 13-gram decontamination drop records; GSM8K's calculator annotations are removed."""
+    gsm = [{"question": f"q{i} how many?", "answer": f"It is 2+{i} = <<2+{i}={2 + i}>>{2 + i}.\n#### {2 + i}"}
+           for i in range(6)]
+    (tmp_path / "gsm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm))
+    code = [{"task_id": i, "text": f"write f{i}", "code": f"def f{i}(): return {i}"} for i in range(1, 7)]
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in code))
+    chat = [{"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi there"}]}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps(chat[0]) + "\n")
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"prompt": "one two three four five six seven eight nine ten eleven twelve "
+                                           "thirteen fourteen"}) + "\n")
+    (tmp_path / "dirty.jsonl").write_text(json.dumps({"prompt": "so: one two three four five six seven eight nine "
+                                                                "ten eleven twelve thirteen", "response": "x"})
+                                          + "\n" + json.dumps({"prompt": "clean one", "response": "ok"}) + "\n")
+
+    recs = D.load_prompt_records(str(tmp_path / "gsm.jsonl"), response_field="auto")
+    assert recs[1].response == "It is 2+1 = 3.\n#### 3"  # annotation gone
+    mbpp = D.load_prompt_records(str(tmp_path / "code.jsonl"), field="text", response_field="code",
+                                 exclude_ids=[str(i) for i in range(2, 5)])
+    assert [r.id for r in mbpp] == ["1", "5", "6"]
+    assert D.load_prompt_records(str(tmp_path / "chat.jsonl"), response_field="auto")[0].response == "hi there"
+    clean = D.load_prompt_records(str(tmp_path / "dirty.jsonl"), response_field="auto",
+                                  contaminated=D.contamination_filter([str(evals)]))
+    assert [r.text for r in clean] == ["clean one"]
+    with pytest.raises(D.DataError, match="response field 'solution' not found"):
+        D.load_prompt_records(str(tmp_path / "code.jsonl"), response_field="solution")
+    with pytest.raises(ValueError, match="exclude_ids"):
+        load_config(CONFIG, ["data.datasets=[{name: x.jsonl, exclude_ids: ['9-3']}]"])
+
+    generated = D.load_prompt_records(str(tmp_path / "gsm.jsonl"), limit=3)
+    out = tmp_path / "mixed"
+    summary = D.build_distill_data(target, recs + mbpp + generated, out, sampling=SamplingParams(0.0),
+                                   max_new_tokens=8, batch_size=4, shard_size=4, chat_template=False,
+                                   max_total_len=40, progress=False)
+    data = D.load_distill_data(out)
+    assert len(data) == 12 and summary["teacher_forced_examples"] == 9 == sum(data.teacher_forced)
+    assert summary["sources"]["code"] == {"examples": 3, "response_tokens": 3 * 19, "teacher_forced": 3}
+    assert summary["new_tokens_this_run"] == sum(int(m.sum()) for m, f in zip(data.loss_mask, data.teacher_forced)
+                                                 if not f)
+    eos = target.eos_token_ids[0]
+    for rec, ids, mask, plen in zip(recs, data.input_ids, data.loss_mask, data.prompt_lens):
+        want = (list(rec.response.encode()) + [eos])[:40 - plen]
+        assert ids[plen:].tolist() == want and mask[plen:].all() and not mask[:plen].any()
+    assert not any(data.teacher_forced[-3:])  # the generated ones
 
 
 # ---------------------------------------------------------------------------------------------------------

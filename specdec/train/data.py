@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -48,6 +49,67 @@ class PromptRecord:
     source: str
     text: str | None = None  # the user message (chat-templated when the target has a template)
     tokens: list[int] | None = None  # or ready token ids (used as they are)
+    response: str | None = None  # a given answer: teacher-forced, no generation (None: the target answers)
+
+
+RESPONSE_FIELDS = ("response", "answer", "output", "completion", "code", "canonical_solution")
+GSM8K_CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations "<<48/2=24>>"
+
+
+def record_response(record: dict, field: str, where: str) -> str:
+    """The given answer of a record: `field` ("auto": the first of RESPONSE_FIELDS that holds text, or the
+    last assistant turn of a chat `messages` list). GSM8K's calculator annotations are removed (no model writes
+    them), the rest is kept verbatim."""
+    if field == "auto":
+        messages = record.get("messages") or record.get("conversations")
+        if isinstance(messages, list) and messages:
+            return _last_assistant(messages, where)
+        field = next((f for f in RESPONSE_FIELDS if isinstance(record.get(f), str) and record[f].strip()), None)
+        if field is None:
+            raise DataError(f"{where}: no response field (looked for {', '.join(RESPONSE_FIELDS)} and messages; "
+                            f"fields: {sorted(record)}); set `response_field`")
+    if field not in record:
+        raise DataError(f"{where}: response field {field!r} not found; the records have fields {sorted(record)}")
+    text = str(record[field])
+    if field == "answer" and "\n#### " in text:  # GSM8K
+        text = GSM8K_CALCULATOR.sub("", text)
+    return text
+
+
+def _last_assistant(messages: list, where: str) -> str:
+    for m in reversed(messages):
+        role = m.get("role", m.get("from")) if isinstance(m, dict) else None
+        if role in ("assistant", "gpt", "model"):
+            return str(m.get("content", m.get("value", "")))
+    raise DataError(f"{where}: the messages hold no assistant turn")
+
+
+def _first_user(messages: list, where: str) -> str:
+    for m in messages:
+        role = m.get("role", m.get("from")) if isinstance(m, dict) else None
+        if role in ("user", "human"):
+            return str(m.get("content", m.get("value", "")))
+    raise DataError(f"{where}: the messages hold no user turn")
+
+
+def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def contamination_filter(paths: Sequence[str], n: int = 13) -> Callable[[str], bool]:
+    """A predicate that is True for a text sharing a word n-gram (13, as GPT-3's decontamination) with any
+    prompt of the evaluation files `paths` (their prompts and, where present, reference answers)."""
+    grams: set[tuple[str, ...]] = set()
+    for name in paths:
+        records, where, _ = load_records(name, None, default_split="test")
+        for i, record in enumerate(records):
+            for key in ("turns", "prompt", "question", "text", "canonical_solution", "answer", "code"):
+                value = record.get(key)
+                for part in value if isinstance(value, list) else [value]:
+                    if isinstance(part, str):
+                        grams |= word_ngrams(part, n)
+    return lambda text: not grams.isdisjoint(word_ngrams(text, n))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -55,19 +117,36 @@ class PromptRecord:
 # ---------------------------------------------------------------------------------------------------------
 
 def load_prompt_records(name: str, *, split: str | None = None, field: str | None = None,
-                        limit: int | None = None, sample_seed: int | None = None) -> list[PromptRecord]:
+                        limit: int | None = None, sample_seed: int | None = None,
+                        response_field: str | None = None, exclude_ids: Sequence[int] = (),
+                        contaminated: Callable[[str], bool] | None = None) -> list[PromptRecord]:
     """Prompts from a local file (by suffix) or a `datasets` hub name ("owner/name[:config]"); with
-    `sample_seed`, a seeded random `limit` of them (ids keep the records' file positions)."""
+    `sample_seed`, a seeded random `limit` of them (ids keep the records' file positions).
+
+    With `response_field` (a field name, or "auto": see `record_response`) each record also carries its given
+    answer, and the data built from it is teacher-forced. Records whose `id` / `task_id` / `question_id` is in
+    `exclude_ids` (e.g. MBPP's test split, task ids 11-510) or whose prompt `contaminated` flags are skipped."""
     if name == SELF_PROMPTS:
         raise DataError(f"{SELF_PROMPTS!r} prompts are written by the target: use self_generated_prompts")
     records, where, label = load_records(name, split, default_split="train")
+    excluded = {str(i) for i in exclude_ids}
     out = []
     for i, record in sample_order(records, sample_seed):
         if limit is not None and len(out) >= limit:
             break
         rid = next((str(record[k]) for k in ("id", "question_id", "task_id") if k in record), f"{label}-{i}")
-        out.append(PromptRecord(id=rid, source=str(record.get("source", label)),
-                                text=record_text(record, field, f"{where} record {i}")))
+        if rid in excluded:
+            continue
+        at = f"{where} record {i}"
+        messages = record.get("messages") or record.get("conversations")
+        if field is None and isinstance(messages, list) and messages:
+            text = _first_user(messages, at)
+        else:
+            text = record_text(record, field, at)
+        if contaminated is not None and contaminated(text):
+            continue
+        response = record_response(record, response_field, at) if response_field else None
+        out.append(PromptRecord(id=rid, source=str(record.get("source", label)), text=text, response=response))
     if not out:
         raise DataError(f"{where}: no prompts")
     return out
@@ -167,34 +246,69 @@ def _shard_dir(out: Path, i: int) -> Path:
     return out / "shards" / f"shard_{i:05d}"
 
 
+def encode_response(target, record: PromptRecord, prompt_ids: list[int], chat_template: bool) -> list[int]:
+    """Token ids of a given answer as the target would have written them after `prompt_ids`: with a chat
+    template, the template's own rendering of the assistant turn up to and including its end token (so the
+    response ends with EOS like a finished generation); otherwise the text's ids followed by the first EOS."""
+    tok = target.tokenizer
+    eos = target.eos_token_ids
+    if tok is None:
+        ids = list(record.response.encode("utf-8"))
+        return ids + list(eos[:1])
+    if chat_template and tok.chat_template and record.tokens is None:
+        full = tok.encode(tok.apply_chat_template([{"role": "user", "content": record.text},
+                                                   {"role": "assistant", "content": record.response}],
+                                                  add_generation_prompt=False))
+        if full[:len(prompt_ids)] == prompt_ids:
+            rest = full[len(prompt_ids):]
+            end = next((i for i, t in enumerate(rest) if t in eos), None)
+            if end is not None:
+                return rest[:end + 1]
+    return tok.encode(record.response) + list(eos[:1])
+
+
 def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | os.PathLike, *,
                        sampling: SamplingParams, seed: int = 0, max_new_tokens: int = 256, batch_size: int = 8,
                        shard_size: int = 64, chat_template: bool = True, max_prompt_len: int | None = None,
-                       progress: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Generate the target's responses to `prompts` and store them under `out_dir` (resumable).
+                       max_total_len: int | None = None, progress: bool = True,
+                       log: Callable[[str], None] = print) -> dict:
+    """Store distillation examples for `prompts` under `out_dir` (resumable).
 
-    Prompts longer than `max_prompt_len` tokens are skipped (counted in the summary). Batch b of shard s uses
-    seed `seed * 1_000_003 + global batch index`, so a resumed run produces exactly the shards a single run
-    would. Returns the summary (prompts, examples, tokens, time), also written to `<out>/summary.json`.
+    A prompt with a given `response` is teacher-forced: its answer is tokenized (`encode_response`) and cut so
+    that prompt + response fit `max_total_len` tokens (None: at most `max_new_tokens` response tokens); the
+    others are answered by the target (sampled with `sampling`, up to `max_new_tokens`). Both kinds mix in one
+    data set, shard by shard. Prompts longer than `max_prompt_len` tokens are skipped (counted in the summary).
+    Batch b of shard s uses seed `seed * 1_000_003 + global batch index`, so a resumed run produces exactly the
+    shards a single run would. Returns the summary (prompts, examples, tokens, per-source counts, time), also
+    written to `<out>/summary.json`.
     """
     import datasets
 
     t0 = time.perf_counter()
     out = Path(out_dir)
-    encoded, skipped = [], 0
+    encoded, skipped = [], 0  # (record, prompt ids, given response ids or None)
     for record in prompts:
         ids = encode_prompt(target, record, chat_template)
         if not ids or (max_prompt_len is not None and len(ids) > max_prompt_len):
             skipped += 1
             continue
-        encoded.append((record, ids))
+        response = None
+        if record.response is not None:
+            room = max_new_tokens if max_total_len is None else max_total_len - len(ids)
+            response = encode_response(target, record, ids, chat_template)[:max(room, 0)]
+            if not response:
+                skipped += 1
+                continue
+        encoded.append((record, ids, response))
     if not encoded:
         raise DataError(f"no usable prompts ({skipped} longer than max_prompt_len={max_prompt_len})")
+    generated = [ids for _, ids, resp in encoded if resp is None]
     manifest = {
         "format": FORMAT_VERSION, "target": target.cfg.name, "vocab_size": target.cfg.vocab_size,
         "sampling": dataclasses.asdict(sampling), "seed": seed, "max_new_tokens": max_new_tokens,
         "batch_size": batch_size, "shard_size": shard_size, "chat_template": chat_template,
-        "num_prompts": len(encoded), "prompts_sha": _fingerprint([ids for _, ids in encoded]),
+        "num_prompts": len(encoded),
+        "prompts_sha": _fingerprint([ids if resp is None else [ids, resp] for _, ids, resp in encoded]),
     }
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST
@@ -209,7 +323,7 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
 
     num_shards = -(-len(encoded) // shard_size)
     done = [i for i in range(num_shards) if _shard_dir(out, i).is_dir()]
-    bar = _progress(len(encoded), "responses", progress)
+    bar = _progress(len(encoded), "examples", progress)
     bar.update(sum(min(shard_size, len(encoded) - i * shard_size) for i in done))
     if done:
         log(f"resuming: {len(done)}/{num_shards} shards already in {out / 'shards'}")
@@ -217,22 +331,26 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
         "id": datasets.Value("string"), "source": datasets.Value("string"),
         "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8")),
         "prompt_len": datasets.Value("int32"), "stopped": datasets.Value("bool"),
+        "teacher_forced": datasets.Value("bool"),
     })
     eos = set(target.eos_token_ids)
     new_tokens = 0
     gen_seconds = 0.0
     # One prompt width and cache size for every batch: a single compiled prefill + decode loop (per-batch
     # shapes would recompile the whole model for every new prompt-length bucket).
-    width = _bucket(max(len(ids) for _, ids in encoded), PROMPT_BUCKET)
-    capacity = _bucket(width + max_new_tokens + 1, 64)
-    check_fits([width], max_new_tokens, target.cfg.max_position_embeddings)
+    if generated:
+        width = _bucket(max(len(ids) for ids in generated), PROMPT_BUCKET)
+        capacity = _bucket(width + max_new_tokens + 1, 64)
+        check_fits([width], max_new_tokens, target.cfg.max_position_embeddings)
     batches_per_shard = -(-shard_size // batch_size)
     for s in range(num_shards):
         if s in done:
             continue
         items = encoded[s * shard_size:(s + 1) * shard_size]
-        order = sorted(range(len(items)), key=lambda i: len(items[i][1]))  # similar lengths share a batch
-        rows: dict[int, list[int]] = {}
+        rows: dict[int, list[int]] = {i: resp for i, (_, _, resp) in enumerate(items) if resp is not None}
+        bar.update(len(rows))
+        to_answer = [i for i, (_, _, resp) in enumerate(items) if resp is None]
+        order = sorted(to_answer, key=lambda i: len(items[i][1]))  # similar lengths share a batch
         for b in range(0, len(order), batch_size):
             idx = order[b:b + batch_size]
             batch = [items[i][1] for i in idx]
@@ -246,7 +364,7 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
                 new_tokens += len(row)
             bar.update(len(idx))
         records = {k: [] for k in features}
-        for i, (record, ids) in enumerate(items):
+        for i, (record, ids, given) in enumerate(items):
             resp = rows[i]
             records["id"].append(record.id)
             records["source"].append(record.source)
@@ -254,6 +372,7 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
             records["loss_mask"].append([0] * len(ids) + [1] * len(resp))
             records["prompt_len"].append(len(ids))
             records["stopped"].append(bool(resp) and resp[-1] in eos)
+            records["teacher_forced"].append(given is not None)
         final = _shard_dir(out, s)
         tmp = final.with_name(final.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -271,7 +390,9 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
     summary = {
         "data_dir": str(out), "prompts": len(encoded), "skipped_prompts": skipped, "examples": len(data),
         "prompt_tokens": int(sum(data.prompt_lens)), "response_tokens": int(sum(m.sum() for m in data.loss_mask)),
+        "teacher_forced_examples": int(sum(data.teacher_forced)),
         "stopped_at_eos": float(np.mean(data.stopped)) if len(data) else 0.0,
+        "sources": data.source_counts(),
         "seconds": round(time.perf_counter() - t0, 2),
         "new_tokens_this_run": new_tokens,
         "generate_tokens_per_second": round(new_tokens / gen_seconds, 1) if gen_seconds else None,
@@ -322,6 +443,13 @@ class DistillData:
     prompt_lens: list[int]
     stopped: list[bool]
     manifest: dict
+    sources: list[str] | None = None  # where each example's prompt came from
+    teacher_forced: list[bool] | None = None  # the response was given (True) or generated by the target
+
+    def __post_init__(self):
+        n = len(self.ids)
+        self.sources = self.sources if self.sources is not None else ["?"] * n
+        self.teacher_forced = self.teacher_forced if self.teacher_forced is not None else [False] * n
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -329,7 +457,18 @@ class DistillData:
     def subset(self, idx: Sequence[int]) -> "DistillData":
         return DistillData([self.ids[i] for i in idx], [self.input_ids[i] for i in idx],
                            [self.loss_mask[i] for i in idx], [self.prompt_lens[i] for i in idx],
-                           [self.stopped[i] for i in idx], self.manifest)
+                           [self.stopped[i] for i in idx], self.manifest, [self.sources[i] for i in idx],
+                           [self.teacher_forced[i] for i in idx])
+
+    def source_counts(self) -> dict[str, dict[str, int]]:
+        """Per source: examples, response tokens, and how many of them were teacher-forced."""
+        out: dict[str, dict[str, int]] = {}
+        for src, mask, forced in zip(self.sources, self.loss_mask, self.teacher_forced):
+            c = out.setdefault(src, {"examples": 0, "response_tokens": 0, "teacher_forced": 0})
+            c["examples"] += 1
+            c["response_tokens"] += int(mask.sum())
+            c["teacher_forced"] += int(forced)
+        return dict(sorted(out.items()))
 
     def split_indices(self, num_eval: int) -> tuple[np.ndarray, np.ndarray]:
         """(train, held-out) example indices: the `num_eval` examples whose id hashes lowest are held out
@@ -379,4 +518,5 @@ def load_distill_data(path: str | os.PathLike) -> DistillData:
     return DistillData(ids=cols["id"], input_ids=[np.asarray(x, np.int32) for x in cols["input_ids"]],
                        loss_mask=[np.asarray(x, np.int8) for x in cols["loss_mask"]],
                        prompt_lens=list(cols["prompt_len"]), stopped=list(cols["stopped"]),
-                       manifest=json.loads((out / MANIFEST).read_text()))
+                       manifest=json.loads((out / MANIFEST).read_text()), sources=list(cols["source"]),
+                       teacher_forced=list(cols.get("teacher_forced", [False] * len(cols["id"]))))
