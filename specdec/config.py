@@ -293,10 +293,17 @@ class TrainConfig:
     # start this run instead of a fresh init: continued training / fine-tuning on new data. A run that already
     # has checkpoints resumes from them instead.
     init_from: str | None = None
+    # Batches of similar lengths, each padded only to the smallest of these lengths that holds its longest example
+    # (seq_len is always the last bucket): the target's forward then runs on ~90% real tokens instead of padding.
+    # Empty: every batch is padded to seq_len. Each length is one more compiled train step.
+    length_buckets: tuple[int, ...] = ()
 
     def __post_init__(self):
         _at_least(self, 1, "steps", "batch_size", "checkpoint_every", "keep_checkpoints", "eval_every", "seq_len",
                   "log_every", "shard_size")
+        _require(all(0 < b < self.seq_len for b in self.length_buckets)
+                 and list(self.length_buckets) == sorted(set(self.length_buckets)), "length_buckets",
+                 f"must be increasing lengths below seq_len={self.seq_len}, got {list(self.length_buckets)}")
         _at_least(self, 0, "eval_examples")
         _at_least(self, 0, "weight_decay", "clip_norm")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr!r}")

@@ -28,6 +28,7 @@ from specdec.adaptive import AdaptiveWidth, load_or_measure_round_costs, measure
 from specdec.drafter import Drafter, PromptInfo, RoundContext
 from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill
 from specdec.metrics import DecodeMetrics
+from specdec.models import transformer
 from specdec.models.transformer import KVCache
 from specdec.sampling import GREEDY, SamplingParams, sample
 from specdec.sharding import to_host
@@ -178,29 +179,43 @@ def bucket_widths(num_draft_tokens: int, buckets) -> tuple[int, ...]:
 def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, mask, need, width: int | None = None):
     """The target's verify forward over [root, nodes]. With `spec.verify_widths`, only the first
     1 + W tokens run, W the smallest width >= `need` (the last valid node of any active row), chosen inside the
-    compiled program by `lax.switch`; logits and taps are zero-padded back to N + 1 positions. Nothing past W is
-    valid, so no policy accepts (or samples a bonus from) the padding. A static `width` runs that narrow step
-    directly: no conditional, so XLA updates the KV cache in place (a `lax.switch` branch copies every
-    layer's cache in and out, ~8% of a decode step here; docs/BENCHMARKS.md)."""
+    compiled program by `lax.switch`; logits, taps and new K/V are zero-padded back to N + 1 positions.
+    Nothing past W is valid, so no policy accepts (or samples a bonus from) the padding, and the padded K/V rows
+    land past every row's committed length (the capacity has room for N + 1). A static `width` runs that
+    narrow step directly.
+
+    The cache stays out of the switch: a branch that wrote it would make XLA copy every layer's cache in and
+    out of the conditional (300 cache-sized copies per round on SmolLM2). So the branches only read the cache
+    (`forward(..., write_cache=False)`) and the new K/V rows are written once, after the switch. A backend
+    whose step cannot defer its writes (the megakernel) runs the switch with the cache inside."""
     if not spec.verify_widths:
         return spec.forward(tparams, spec.cfg, cache, tokens, positions, mask, taps=spec.drafter.taps)
     full = tokens.shape[1]
+    deferred = width is None and getattr(spec.forward, "defers_cache_writes", False)
+
+    def pad(x, axis):
+        return None if x is None else jnp.pad(x, [(0, full - x.shape[axis]) if a == axis else (0, 0)
+                                                  for a in range(x.ndim)])
 
     def branch(width):
         t = width + 1
 
         def run(cache):
             out = spec.forward(tparams, spec.cfg, cache, tokens[:, :t], positions[:, :t], mask[:, :t, :t],
-                               taps=spec.drafter.taps)
-            pad = lambda x, axis: None if x is None else jnp.pad(  # noqa: E731
-                x, [(0, full - t) if a == axis else (0, 0) for a in range(x.ndim)])
-            return out._replace(logits=pad(out.logits, 1), hidden=pad(out.hidden, 1), taps=pad(out.taps, 2))
+                               taps=spec.drafter.taps, **({"write_cache": False} if deferred else {}))
+            out = out._replace(logits=pad(out.logits, 1), hidden=pad(out.hidden, 1), taps=pad(out.taps, 2))
+            if deferred:  # new K/V [(L,) B, t, KVH, HD] -> N + 1 rows; the cache itself is not returned
+                return out._replace(cache=None, new_kv=jax.tree.map(lambda x: pad(x, x.ndim - 3), out.new_kv))
+            return out
         return run
 
     if width is not None:
         return branch(width)(cache)
     index = jnp.searchsorted(jnp.asarray(spec.verify_widths, jnp.int32), need.astype(jnp.int32))
-    return jax.lax.switch(index, [branch(w) for w in spec.verify_widths], cache)
+    out = jax.lax.switch(index, [branch(w) for w in spec.verify_widths], cache)
+    if deferred:
+        out = out._replace(cache=transformer.write_new_rows(cache, out.new_kv), new_kv=None)
+    return out
 
 
 def verify_step(spec: LoopSpec, tparams, state: LoopState, draft: Draft, width: int | None = None):

@@ -526,3 +526,35 @@ def test_draft_lm_samples_from_its_q(monkeypatch):
     finally:
         jax.clear_caches()
     assert p_value < 1e-6, p_value
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA:CPU's compiled program")
+@pytest.mark.parametrize("backend", ["reference", "scan"])
+def test_bucketed_verify_keeps_the_cache_out_of_the_switch(backend):
+    """The verify bucket switch (a data-dependent width) must not copy the KV cache: its branches only read
+    it and the new rows are written once after the switch. Counted in the compiled HLO (donated cache): no
+    copy the size of a layer's cache (with the cache inside the switch there were 4 per layer and width)."""
+    import re
+
+    from specdec import engine, trees
+
+    target = random_target(tiny_config(), seed=1, backend=backend)
+    drafter = types.SimpleNamespace(taps=())
+    spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=None, sampling=None,
+                           eos_ids=(), verify_widths=engine.bucket_widths(4, "auto"))
+    tokens = jnp.ones((2, 5), jnp.int32)
+    mask, depth = trees.tree_attention(Draft.chain(tokens[:, 1:]).parents)
+
+    def verify(cache, need):
+        out = engine.target_verify(spec, target.params, cache, tokens, cache.lengths[:, None] + depth, mask, need)
+        return out.logits, out.cache
+
+    cache = target.init_cache(2, 64)
+    text = jax.jit(verify, donate_argnums=(0,)).lower(cache, jnp.int32(2)).compile().as_text()
+    assert "conditional" in text  # the switch is there
+    layer_cache = jax.tree.leaves(cache.k)[0].shape[-4:]
+    dims = sorted(d for d in layer_cache if d > 1)
+    hits = [line.strip() for line in text.splitlines()
+            if (m := re.search(r"= \w+\[([\d,]+)\]\S* copy\(", line))
+            and sorted(d for d in map(int, m.group(1).split(",")) if d > 1)[-len(dims):] == dims]
+    assert not hits, hits[:3]

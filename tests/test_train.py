@@ -332,3 +332,26 @@ def test_cached_features_equal_online_ones(data_dir, target, tmp_path):
     valid = np.arange(64)[None, :] < small["lengths"][rows][:, None]
     np.testing.assert_allclose(np.asarray(feats.taps)[:, valid], np.asarray(ref.taps)[:, valid], rtol=1e-5, atol=1e-3)
     np.testing.assert_allclose(np.asarray(feats.logits)[valid], np.asarray(ref.logits)[valid], rtol=1e-5, atol=1e-3)
+
+
+def test_length_grouped_batch_order_visits_each_example_once_and_resumes():
+    from specdec.train.loop import BatchOrder
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 400, size=1000)
+    idx = np.arange(0, 1000, 2)  # a training subset
+    order = BatchOrder(idx, 4, seed=3, lengths=lengths)
+    epoch = [order.next() for _ in range(len(idx) // 4)]
+    assert sorted(np.concatenate(epoch).tolist()) == idx.tolist() and order.epoch == 1 and order.cursor == 0
+    spread = np.mean([np.ptp(lengths[b]) for b in epoch])
+    plain = BatchOrder(idx, 4, seed=3)
+    random_spread = np.mean([np.ptp(lengths[plain.next()]) for _ in range(len(idx) // 4)])
+    assert spread < random_spread / 5  # similar lengths share a batch
+    # a new BatchOrder at a saved position continues exactly
+    a = BatchOrder(idx, 4, seed=3, lengths=lengths)
+    for _ in range(37):
+        a.next()
+    b = BatchOrder(idx, 4, seed=3, epoch=a.epoch, cursor=a.cursor, lengths=lengths)
+    assert all(np.array_equal(a.next(), b.next()) for _ in range(200))
+    with pytest.raises(ValueError, match="length_buckets"):
+        load_config(CONFIG, ["train.length_buckets=[64, 32]"])

@@ -266,10 +266,43 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array
     return out.reshape(b, t, nh * hd).astype(q.dtype)
 
 
+def attend_with_new(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                    lengths: jax.Array, tree_mask: jax.Array) -> jax.Array:
+    """`attend` over the committed cache (read only) and the new tokens' own K/V, without writing them.
+
+    q, k_new, v_new: [B, T, heads, HD]; caches [B, KVH, S, HD]; tree_mask [B, T, T]. One softmax over the
+    S committed slots (those before each row's length) and the T new tokens (as `tree_mask` allows): the same
+    attention as writing first and attending over the updated cache, but the cache is never modified, so a
+    conditional (the verify bucket switch) whose branches call this passes it through untouched instead of
+    copying every layer's cache in and out."""
+    b, t, nh, hd = q.shape
+    kvh, s = k_cache.shape[1], k_cache.shape[2]
+    g = nh // kvh
+    qm = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)
+    kn = jnp.swapaxes(k_new, 1, 2).astype(k_cache.dtype)  # [B, KVH, T, HD]
+    vn = jnp.swapaxes(v_new, 1, 2).astype(v_cache.dtype)
+    old = jnp.einsum("bkqd,bksd->bkqs", qm, k_cache, preferred_element_type=jnp.float32).reshape(b, kvh, g, t, s)
+    new = jnp.einsum("bkqd,bkud->bkqu", qm, kn, preferred_element_type=jnp.float32).reshape(b, kvh, g, t, t)
+    committed = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
+    old = jnp.where(committed[:, None, None, None, :], old, -1e30)
+    new = jnp.where(tree_mask[:, None, None, :, :], new, -1e30)
+    probs = jax.nn.softmax(jnp.concatenate([old, new], axis=-1) * (1.0 / math.sqrt(hd)), axis=-1)
+    p_old = probs[..., :s].astype(v_cache.dtype).reshape(b, kvh, g * t, s)
+    p_new = probs[..., s:].astype(v_cache.dtype).reshape(b, kvh, g * t, t)
+    out = (jnp.einsum("bkqs,bksd->bkqd", p_old, v_cache, preferred_element_type=jnp.float32)
+           + jnp.einsum("bkqu,bkud->bkqd", p_new, vn, preferred_element_type=jnp.float32))
+    out = out.reshape(b, kvh, g, t, hd).transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, nh * hd).astype(q.dtype)
+
+
 def decoder_layer(cfg: ModelConfig, w: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                  lengths: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array):
+                  lengths: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array,
+                  tree_mask: jax.Array | None = None):
     """One pre-norm decoder block. Writes the new K/V first, then attends over the updated buffer: attending
-    to the old cache and writing afterwards makes XLA copy the whole cache every step (FACTS.md)."""
+    to the old cache and writing afterwards makes XLA copy the whole cache every step (FACTS.md).
+
+    With `tree_mask` [B, T, T] the cache is only read (`attend_with_new`) and the new K/V [B, T, KVH, HD]
+    come back in place of the updated caches, for the caller to write once (`write_new_rows`)."""
     b, t, _ = x.shape
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
     q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
@@ -282,9 +315,13 @@ def decoder_layer(cfg: ModelConfig, w: dict, x: jax.Array, k_cache: jax.Array, v
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache = write_rows(k_cache, k, lengths)
-    v_cache = write_rows(v_cache, v, lengths)
-    x = x + attend(q, k_cache, v_cache, mask) @ w["wo"]
+    if tree_mask is not None:
+        x = x + attend_with_new(q, k_cache, v_cache, k, v, lengths, tree_mask) @ w["wo"]
+        k_cache, v_cache = k, v  # the new rows, not written
+    else:
+        k_cache = write_rows(k_cache, k, lengths)
+        v_cache = write_rows(v_cache, v, lengths)
+        x = x + attend(q, k_cache, v_cache, mask) @ w["wo"]
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
     x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
     return x, k_cache, v_cache
@@ -294,7 +331,21 @@ class StepOutput(NamedTuple):
     logits: jax.Array  # float32 [B, T or P, V]
     hidden: jax.Array  # final-normed hidden states [B, T or P, H] (what the lm_head reads)
     taps: jax.Array | None  # [num_taps, B, T, H] residual stream after the chosen layers, or None
-    cache: KVCache
+    cache: KVCache  # with the new K/V written (write_cache=True), else the cache as it was passed in
+    new_kv: Any = None  # write_cache=False: (k, v) new rows [B, T, KVH, HD] per layer (stacked: [L, ...])
+
+
+def write_new_rows(cache: KVCache, new_kv) -> KVCache:
+    """Write `StepOutput.new_kv` of a `forward(..., write_cache=False)` into the cache at each row's length
+    (lengths unchanged), as `forward` itself would have."""
+    new_k, new_v = new_kv
+    if isinstance(cache.k, (tuple, list)):
+        k = tuple(write_rows(c, n, cache.lengths) for c, n in zip(cache.k, new_k))
+        v = tuple(write_rows(c, n, cache.lengths) for c, n in zip(cache.v, new_v))
+    else:  # stacked [L, ...]: one write per layer of the same rows
+        write = jax.vmap(write_rows, in_axes=(0, 0, None))
+        k, v = write(cache.k, new_k, cache.lengths), write(cache.v, new_v, cache.lengths)
+    return dataclasses.replace(cache, k=k, v=v)
 
 
 def causal_mask(num_new: int) -> jax.Array:
@@ -311,7 +362,7 @@ def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 def forward(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
             positions: jax.Array | None = None, tree_mask: jax.Array | None = None, *,
-            taps: tuple[int, ...] = (), logits_at: jax.Array | None = None) -> StepOutput:
+            taps: tuple[int, ...] = (), logits_at: jax.Array | None = None, write_cache: bool = True) -> StepOutput:
     """Run T new tokens per row through the target, writing their K/V at slots lengths[b] + t.
 
     tokens: int32 [B, T]. positions: int32 [B, T] RoPE positions (default lengths[b] + t; a tree passes
@@ -319,7 +370,8 @@ def forward(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
     causal). taps: static layer indices whose residual-stream output to return (0 = embeddings, l = after
     block l, Hugging Face's `hidden_states[l]` convention for l < L). logits_at: optional int32 [B, P]
     indices into the T new tokens; only there are logits computed (prefill needs just the last one).
-    The cache comes back with the K/V written and `lengths` unchanged.
+    The cache comes back with the K/V written and `lengths` unchanged. write_cache=False leaves the cache
+    untouched and returns the new K/V in `new_kv` instead (same logits; see `attend_with_new`).
     """
     b, t = tokens.shape
     lengths = cache.lengths
@@ -329,7 +381,8 @@ def forward(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
         tree_mask = causal_mask(t)
     if tree_mask.ndim == 2:
         tree_mask = jnp.broadcast_to(tree_mask, (b, t, t))
-    mask = attention_mask(lengths, cache.capacity, tree_mask)
+    mask = attention_mask(lengths, cache.capacity, tree_mask) if write_cache else None
+    deferred = None if write_cache else tree_mask
     cos, sin = rope_tables(cfg, positions)
 
     x = params["embed"][tokens].astype(cfg.jnp_dtype)
@@ -338,7 +391,7 @@ def forward(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
     if isinstance(layers, dict):  # stacked layout: scan over layers, cache stacked too
         def body(x, layer):
             w, kc, vc = layer
-            x, kc, vc = decoder_layer(cfg, w, x, kc, vc, lengths, cos, sin, mask)
+            x, kc, vc = decoder_layer(cfg, w, x, kc, vc, lengths, cos, sin, mask, deferred)
             return x, (x, kc, vc) if taps else (None, kc, vc)
         x, (per_layer_x, new_k, new_v) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
         for l in taps:
@@ -347,17 +400,26 @@ def forward(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
     else:  # per-layer layout: unrolled walk (fastest on XLA:CPU)
         new_k, new_v = [], []
         for i, w in enumerate(layers):
-            x, kc, vc = decoder_layer(cfg, w, x, cache.k[i], cache.v[i], lengths, cos, sin, mask)
+            x, kc, vc = decoder_layer(cfg, w, x, cache.k[i], cache.v[i], lengths, cos, sin, mask, deferred)
             new_k.append(kc)
             new_v.append(vc)
             if i + 1 in taps:
                 tapped[i + 1] = x
         new_k, new_v = tuple(new_k), tuple(new_v)
-    new_cache = dataclasses.replace(cache, k=new_k, v=new_v)
+    new_kv = None
+    if write_cache:
+        new_cache = dataclasses.replace(cache, k=new_k, v=new_v)
+    else:
+        new_cache, new_kv = cache, (new_k, new_v)
 
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if logits_at is not None:
         hidden = jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
     logits = lm_head(params, cfg, hidden)
     tap_stack = jnp.stack([tapped[l] for l in taps]) if taps else None
-    return StepOutput(logits=logits, hidden=hidden, taps=tap_stack, cache=new_cache)
+    return StepOutput(logits=logits, hidden=hidden, taps=tap_stack, cache=new_cache, new_kv=new_kv)
+
+
+# Backends whose step function can leave the cache untouched (`write_cache=False`) carry this mark; the engine's
+# verify bucket switch uses it to keep the KV cache out of the conditional.
+forward.defers_cache_writes = True

@@ -118,16 +118,39 @@ def eval_step(spec: StepSpec, params, consts, tparams, batch: dict):
 
 class BatchOrder:
     """Indices of each batch: a seeded permutation per epoch, consumed in order (wrapping into the next epoch).
-    Its position (epoch, cursor) is part of every checkpoint."""
+    Its position (epoch, cursor) is part of every checkpoint.
 
-    def __init__(self, indices: np.ndarray, batch_size: int, seed: int, epoch: int = 0, cursor: int = 0):
+    With `lengths` (example lengths, indexed like the data), each window of GROUP_BATCHES batches of the
+    permutation is sorted by length and its batches are shuffled again, so a batch holds examples of similar
+    lengths (padded to its own bucket) while the epoch still visits every example once in a random order."""
+
+    GROUP_BATCHES = 32
+
+    def __init__(self, indices: np.ndarray, batch_size: int, seed: int, epoch: int = 0, cursor: int = 0,
+                 lengths: np.ndarray | None = None):
         if len(indices) == 0:
             raise ValueError("no training examples")
         self.indices, self.batch_size, self.seed = np.asarray(indices), batch_size, seed
         self.epoch, self.cursor = epoch, cursor
+        self.lengths = lengths
+        self._cached: tuple[int, np.ndarray] | None = None
 
     def _perm(self, epoch: int) -> np.ndarray:
-        return self.indices[np.random.default_rng([self.seed, epoch]).permutation(len(self.indices))]
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        perm = self.indices[rng.permutation(len(self.indices))]
+        if self.lengths is not None:
+            window = self.GROUP_BATCHES * self.batch_size
+            parts = []
+            for start in range(0, len(perm), window):
+                group = perm[start:start + window]
+                group = group[np.argsort(self.lengths[group], kind="stable")]
+                batches = [group[i:i + self.batch_size] for i in range(0, len(group), self.batch_size)]
+                parts += [batches[i] for i in rng.permutation(len(batches))]
+            perm = np.concatenate(parts)
+        self._cached = (epoch, perm)
+        return perm
 
     def next(self) -> np.ndarray:
         out = []
@@ -272,14 +295,17 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
         log(f"feature cache: {cache.bytes_per_token} bytes/token, {cache.meta['num_tokens']} tokens, "
             f"{cache.bytes_per_token * cache.meta['num_tokens'] / 1e6:.1f} MB ({fdir})")
 
+    buckets = tuple(cfg.length_buckets) + (seq_len,)
+
     def make_batch(rows: np.ndarray, real: int | None = None) -> dict:
-        batch = {"tokens": arrays["tokens"][rows], "loss_mask": arrays["loss_mask"][rows].copy(),
+        width = next(b for b in buckets if b >= arrays["lengths"][rows].max())  # this batch's padded length
+        batch = {"tokens": arrays["tokens"][rows, :width], "loss_mask": arrays["loss_mask"][rows, :width].copy(),
                  "lengths": arrays["lengths"][rows].copy()}
         if real is not None:  # rows past `real` only pad the last eval batch: no valid labels
             batch["loss_mask"][real:] = 0
             batch["lengths"][real:] = 0
         if cache is not None:
-            batch["feats"] = cache.batch(rows, batch["lengths"], seq_len)
+            batch["feats"] = cache.batch(rows, batch["lengths"], width)
         if mesh is not None:  # data parallelism: rows split over the mesh's data axis
             return sharding.place_batch(batch, mesh)
         return {k: jnp.asarray(v) for k, v in batch.items()}
@@ -300,12 +326,15 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=
     # On a sharded target's mesh the state is placed there before any restore, so orbax restores onto this mesh's
     # shardings whatever mesh the checkpoint was saved from.
     state = sharding.place_drafter_state(state, mesh)
-    order = BatchOrder(train_idx, cfg.batch_size, cfg.seed)
+    by_length = arrays["lengths"] if cfg.length_buckets else None
+    if by_length is not None:  # held-out batches of similar lengths too (the sums do not depend on grouping)
+        eval_idx = eval_idx[np.argsort(by_length[eval_idx], kind="stable")]
+    order = BatchOrder(train_idx, cfg.batch_size, cfg.seed, lengths=by_length)
     ckpt_lib.write_drafter_config(run, task.name, task.config(), ckpt_lib.target_info(target))
     if resumed_from is not None:
         state, meta = store.restore(resumed_from, like=state)
         state = jax.tree.map(jnp.asarray, state)
-        order = BatchOrder(train_idx, cfg.batch_size, cfg.seed, meta["epoch"], meta["cursor"])
+        order = BatchOrder(train_idx, cfg.batch_size, cfg.seed, meta["epoch"], meta["cursor"], lengths=by_length)
         if int(state["step"]) != resumed_from or meta.get("train_examples") != len(train_idx):
             raise ckpt_lib.CheckpointError(f"checkpoint {resumed_from} in {store.dir} does not match this data "
                                            f"(step {int(state['step'])}, {meta.get('train_examples')} training "
