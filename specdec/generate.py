@@ -296,7 +296,8 @@ def continuous_shapes(target: Target, prompt_lengths: Sequence[int], max_new_tok
         raise ValueError(f"batch_size and insert_rows must be >= 1, got {batch_size} and {insert_rows}")
     width = int(-(-max(prompt_lengths) // PROMPT_BUCKET) * PROMPT_BUCKET)
     check_fits(prompt_lengths, max_new_tokens, context_limit(target, max_seq_len))
-    capacity = int(-(-(width + max_new_tokens + 1) // 64) * 64)
+    # a row's K/V end at its own prompt length + new tokens; only the insert needs all `width` slots
+    capacity = cache_capacity(prompt_lengths, max_new_tokens)
     return ContinuousShapes(batch_size, min(insert_rows, batch_size), width, capacity, max_new_tokens)
 
 
