@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.models.transformer import KVCache, init_cache
-from specdec.sampling import GREEDY, SamplingParams, sample
+from specdec.sampling import GREEDY, SamplingParams, processed_logits, sample
 from specdec.sharding import to_host
 from specdec.target import Target
 
@@ -203,10 +203,20 @@ class DecodeState(NamedTuple):
 
 
 def _row_sample(keys, counts, logits, sampling: SamplingParams):
-    """One token per row, drawn with the row's own key folded with its token index: a prompt's tokens then
-    depend only on its key, never on which rows share the batch or when it was inserted."""
+    """One token per row [B] from logits [B, V], drawn with the row's own key folded with its token index: a
+    prompt's tokens then depend only on its key, never on which rows share the batch or when it was inserted.
+
+    Sampling is by inverse CDF (one uniform per row against the cumulative distribution of `sampling`'s
+    processed logits), not `sample`'s Gumbel-max: the same distribution, but one random number per row instead
+    of one per vocabulary entry. Drawing 64 x 49152 Gumbel variates took 44 ms of a 435 ms decode step."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     step_keys = jax.vmap(jax.random.fold_in)(keys, counts)
-    return jax.vmap(lambda k, l: sample(k, l, sampling))(step_keys, logits)
+    cdf = jnp.cumsum(jax.nn.softmax(processed_logits(logits, sampling), axis=-1), axis=-1)
+    # u > 0, so an entry of probability 0 (cdf equal to its predecessor's) is never the first cdf >= u
+    tiny = jnp.finfo(jnp.float32).tiny
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), minval=tiny))(step_keys) * cdf[:, -1]
+    return jnp.minimum(jnp.sum(cdf < u[:, None], axis=-1), logits.shape[-1] - 1).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("forward", "cfg", "sampling", "eos_ids"), donate_argnames=("state",))
