@@ -90,6 +90,9 @@ def test_data_is_target_responses_with_response_mask_and_resumes(data_dir, targe
     data = D.load_distill_data(data_dir)
     summary = json.loads((data_dir / "summary.json").read_text())
     assert len(data) == summary["examples"] == summary["prompts"] > 80
+    assert summary["decode_batch"] == 32 and 0 < summary["batch_utilisation"] <= 1
+    assert summary["generate_tokens_per_second"] == pytest.approx(
+        summary["new_tokens_this_run"] / summary["generate_seconds"], rel=0.02)
     for ids, mask, plen in zip(data.input_ids, data.loss_mask, data.prompt_lens):
         assert mask[:plen].sum() == 0 and mask[plen:].all() and len(ids) > plen
     assert len(set(data.ids)) == len(data)
