@@ -219,7 +219,8 @@ def cmd_data(args) -> int:
     print("\ndistillation data:")
     print(_summary_lines(summary, ["data_dir", "prompts", "skipped_prompts", "examples", "prompt_tokens",
                                    "response_tokens", "teacher_forced_examples", "stopped_at_eos", "seconds",
-                                   "generate_tokens_per_second"]))
+                                   "generate_seconds", "generate_tokens_per_second", "batch_utilisation",
+                                   "decode_batch"]))
     for source, counts in summary["sources"].items():
         print(f"    {source}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     return 0

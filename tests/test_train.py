@@ -26,6 +26,7 @@ from experiments.build import build_target
 from experiments.tracking import MemoryTracker
 from specdec.config import load_config, to_dict
 from specdec.engine import speculative_generate
+from specdec import generate as G
 from specdec.generate import generate
 from specdec.sampling import SamplingParams
 from specdec.target import Target
@@ -89,6 +90,9 @@ def test_data_is_target_responses_with_response_mask_and_resumes(data_dir, targe
     data = D.load_distill_data(data_dir)
     summary = json.loads((data_dir / "summary.json").read_text())
     assert len(data) == summary["examples"] == summary["prompts"] > 80
+    assert summary["decode_batch"] == 32 and 0 < summary["batch_utilisation"] <= 1
+    assert summary["generate_tokens_per_second"] == pytest.approx(
+        summary["new_tokens_this_run"] / summary["generate_seconds"], rel=0.02)
     for ids, mask, plen in zip(data.input_ids, data.loss_mask, data.prompt_lens):
         assert mask[:plen].sum() == 0 and mask[plen:].all() and len(ids) > plen
     assert len(set(data.ids)) == len(data)
@@ -176,6 +180,153 @@ def test_teacher_forced_examples_mix_with_generated_ones(tmp_path, target):
         want = (list(rec.response.encode()) + [eos])[:40 - plen]
         assert ids[plen:].tolist() == want and mask[plen:].all() and not mask[:plen].any()
     assert not any(data.teacher_forced[-3:])  # the generated ones
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The continuous-batching generator behind `specdec data`
+# ---------------------------------------------------------------------------------------------------------
+
+# prompts of very different lengths (1 to 90 tokens: three prompt-width buckets' worth)
+MIXED_PROMPTS = [[3], [40, 41] * 45, [7, 8, 9], [11] * 33, [50 + i for i in range(64)], [12, 13, 14, 15, 16],
+                 [99] * 2, [5, 6, 7, 5, 6, 7, 5, 6], [120 + i % 7 for i in range(47)], [30, 31], [200] * 17,
+                 [9, 10, 11, 12], [20, 21] * 10]
+
+
+@pytest.fixture(scope="module")
+def eos_target(target):
+    """The tiny target with an EOS id it actually emits (its greedy continuations' most common token), so that
+    rows stop at different steps and get refilled."""
+    rows = generate(target, MIXED_PROMPTS, max_new_tokens=24).tokens
+    ids, counts = np.unique(np.concatenate([r[1:] for r in rows]), return_counts=True)
+    eos = int(ids[np.argmax(counts)])
+    return dataclasses.replace(target, cfg=dataclasses.replace(target.cfg, eos_token_ids=(eos,)))
+
+
+def continuous(target, prompts, batch_size, insert_rows, sampling=SamplingParams(0.0), seed=0, seeds=None,
+               max_new_tokens=24):
+    shapes = G.continuous_shapes(target, [len(p) for p in prompts], max_new_tokens, batch_size, insert_rows)
+    stats = G.ContinuousStats()
+    seeds = list(range(len(prompts))) if seeds is None else seeds
+    out = dict(G.generate_continuous(target, prompts, seeds, shapes, sampling, seed, stats))
+    assert sorted(out) == list(range(len(prompts)))
+    return [out[i] for i in range(len(prompts))], stats
+
+
+def test_continuous_generation_equals_generate_at_temperature_0(eos_target):
+    """Refilling rows never changes tokens: at T=0 every prompt gets what `generate` (and the static-batch
+    path) gives it, whether the batch is smaller than the prompts (many refills) or larger (rows never used);
+    rows end at EOS (kept, last) or exactly at max_new_tokens."""
+    want = generate(eos_target, MIXED_PROMPTS, max_new_tokens=24).tokens
+    eos = eos_target.eos_token_ids[0]
+    stopped = [bool(r) and r[-1] == eos for r in want]
+    assert 0 < sum(stopped) < len(want)  # both endings occur
+    for r, s in zip(want, stopped):
+        assert (eos not in r[:-1]) and (len(r) <= 24 if s else len(r) == 24)
+    shapes = G.continuous_shapes(eos_target, [len(p) for p in MIXED_PROMPTS], 24, 4, 2)
+    static = D.generate_fixed(eos_target, MIXED_PROMPTS, shapes.width, shapes.capacity, 24, SamplingParams(0.0), 0)
+    assert static == want
+    for batch_size, insert_rows in [(4, 2), (3, 1), (5, 3), (32, 8)]:
+        got, stats = continuous(eos_target, MIXED_PROMPTS, batch_size, insert_rows)
+        assert got == want, (batch_size, insert_rows)
+        assert stats.new_tokens == sum(len(r) for r in want)
+        assert stats.decode_kept == sum(len(r) - 1 for r in want)  # every token after the prefill's one
+        assert 0 < stats.utilisation <= 1
+    assert continuous(eos_target, MIXED_PROMPTS, 4, 2)[1].inserts > len(MIXED_PROMPTS) // 2  # refilled, not batched
+    got, _ = continuous(eos_target, MIXED_PROMPTS, 4, 2, max_new_tokens=5)  # the cutoff
+    assert got == [r[:5] for r in want]
+    got, _ = continuous(eos_target, MIXED_PROMPTS, 4, 2, max_new_tokens=1)
+    assert got == [r[:1] for r in want]
+
+
+def test_continuous_sampling_depends_only_on_the_prompt_and_its_seed(eos_target):
+    """At T > 0 a prompt's response is a function of (prompt, its seed, the run seed): co-batched rows, the
+    batch shape and the insertion order do not change it; another seed does."""
+    sampling = SamplingParams(0.9, top_k=50)
+    base, _ = continuous(eos_target, MIXED_PROMPTS, 4, 2, sampling, seed=7)
+    assert continuous(eos_target, MIXED_PROMPTS, 6, 3, sampling, seed=7)[0] == base
+    order = list(reversed(range(len(MIXED_PROMPTS))))[::2]
+    part, _ = continuous(eos_target, [MIXED_PROMPTS[i] for i in order], 4, 2, sampling, seed=7, seeds=order)
+    assert part == [base[i] for i in order]
+    assert continuous(eos_target, MIXED_PROMPTS, 4, 2, sampling, seed=8)[0] != base
+    greedy, _ = continuous(eos_target, MIXED_PROMPTS, 4, 2)
+    assert base != greedy
+
+
+def test_continuous_sampler_draws_the_processed_distribution():
+    """The generator's inverse-CDF sampler draws from the temperature / top-k / top-p distribution of
+    `specdec.sampling` (checked against `probabilities` on 40000 fixed draws) and never a masked token."""
+    from specdec.sampling import probabilities
+
+    logits = jnp.log(jnp.array([0.45, 0.25, 0.15, 0.1, 0.05]))
+    n = 40000
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(0), i))(jnp.arange(n))
+    for sp in [SamplingParams(0.7), SamplingParams(1.3, top_k=3), SamplingParams(1.0, top_p=0.8)]:
+        drawn = np.asarray(G._row_sample(keys, jnp.zeros((n,), jnp.int32), jnp.broadcast_to(logits, (n, 5)), sp))
+        want = np.asarray(probabilities(logits, sp))
+        freq = np.bincount(drawn, minlength=5) / n
+        assert np.abs(freq - want).max() < 0.01, (sp, freq, want)
+        assert not freq[want == 0].any()
+
+
+def test_continuous_generation_refuses_bad_inputs(eos_target):
+    shapes = G.continuous_shapes(eos_target, [4, 9], 8, 4)
+    with pytest.raises(ValueError, match="prompt 1 has 40 tokens; the run's prompt width is 32"):
+        list(G.generate_continuous(eos_target, [[1, 2], [3] * 40], [0, 1], shapes))
+    with pytest.raises(ValueError, match="2 prompts but 1 prompt seeds"):
+        list(G.generate_continuous(eos_target, [[1, 2], [3]], [0], shapes))
+    with pytest.raises(ValueError, match="batch_size and insert_rows must be >= 1"):
+        G.continuous_shapes(eos_target, [4], 8, 0)
+    with pytest.raises(G.ContextLengthError):
+        G.continuous_shapes(eos_target, [250], 24, 4, max_seq_len=256)
+
+
+class DiskFull(Exception):
+    pass
+
+
+def test_interrupted_data_run_resumes_to_the_same_shards(eos_target, tmp_path, monkeypatch):
+    """Sampled data (T=1), generated and teacher-forced rows mixed, shards smaller than the decode batch so rows
+    of several shards share it: a run killed while writing its third shard, then resumed (with another batch
+    size's co-batching), ends with exactly the shards of an uninterrupted run."""
+    import datasets
+
+    prompts = [D.PromptRecord(id=f"p{i}", source="mix", tokens=p,
+                              response="given answer" if i % 4 == 1 else None)
+               for i, p in enumerate(MIXED_PROMPTS * 2)]
+    kwargs = dict(sampling=SamplingParams(1.0), seed=3, max_new_tokens=16, shard_size=5, chat_template=False,
+                  progress=False, log=lambda _: None)
+    full = D.build_distill_data(eos_target, prompts, tmp_path / "full", batch_size=6, insert_rows=2, **kwargs)
+    assert full["examples"] == len(prompts) and 0 < full["batch_utilisation"] <= 1
+    assert full["decode_batch"] == 6 and full["insert_rows"] == 2
+    assert full["new_tokens_this_run"] == full["response_tokens"] - sum(
+        len(D.encode_response(eos_target, p, p.tokens, False)[:16]) for p in prompts if p.response is not None)
+    assert full["generate_tokens_per_second"] > 0
+
+    save, writes = datasets.Dataset.save_to_disk, []
+
+    def failing_save(self, path, *a, **k):
+        writes.append(path)
+        if len(writes) == 3:
+            raise DiskFull(path)
+        return save(self, path, *a, **k)
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", failing_save)
+    with pytest.raises(DiskFull):
+        D.build_distill_data(eos_target, prompts, tmp_path / "resumed", batch_size=6, insert_rows=2, **kwargs)
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", save)
+    assert len(list((tmp_path / "resumed" / "shards").glob("shard_?????"))) == 2
+    again = D.build_distill_data(eos_target, prompts, tmp_path / "resumed", batch_size=6, insert_rows=3, **kwargs)
+    assert 0 < again["new_tokens_this_run"] < full["new_tokens_this_run"]
+    a, b = D.load_distill_data(tmp_path / "full"), D.load_distill_data(tmp_path / "resumed")
+    assert a.ids == b.ids and a.teacher_forced == b.teacher_forced and a.stopped == b.stopped
+    assert all(np.array_equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
+    assert 0 < sum(b.stopped) < len(b)
+    # data made by the per-batch-key generator (no "generator" in its manifest) is not resumed with this one
+    manifest = json.loads((tmp_path / "full" / D.MANIFEST).read_text())
+    del manifest["generator"]
+    (tmp_path / "full" / D.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(D.DataError, match="differs in: generator"):
+        D.build_distill_data(eos_target, prompts, tmp_path / "full", batch_size=6, insert_rows=2, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -34,13 +34,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from specdec.generate import PROMPT_BUCKET, check_fits
+from specdec.generate import ContinuousStats, continuous_shapes, generate_continuous
 from specdec.records import DataError, load_records, record_text, sample_order
 from specdec.sampling import SamplingParams
 
 SELF_PROMPTS = "self"  # data.datasets name meaning "the target writes the prompts"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+# How responses are sampled: "continuous" = per-prompt keys (data made by the earlier per-batch-key generator
+# has no such entry, so resuming it with this code is refused instead of mixing two samplers in one data set)
+GENERATOR = "continuous"
 
 
 @dataclasses.dataclass
@@ -270,7 +273,7 @@ def encode_response(target, record: PromptRecord, prompt_ids: list[int], chat_te
 def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | os.PathLike, *,
                        sampling: SamplingParams, seed: int = 0, max_new_tokens: int = 256, batch_size: int = 8,
                        shard_size: int = 64, chat_template: bool = True, max_prompt_len: int | None = None,
-                       max_total_len: int | None = None, progress: bool = True,
+                       max_total_len: int | None = None, insert_rows: int = 8, progress: bool = True,
                        log: Callable[[str], None] = print) -> dict:
     """Store distillation examples for `prompts` under `out_dir` (resumable).
 
@@ -278,9 +281,14 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
     that prompt + response fit `max_total_len` tokens (None: at most `max_new_tokens` response tokens); the
     others are answered by the target (sampled with `sampling`, up to `max_new_tokens`). Both kinds mix in one
     data set, shard by shard. Prompts longer than `max_prompt_len` tokens are skipped (counted in the summary).
-    Batch b of shard s uses seed `seed * 1_000_003 + global batch index`, so a resumed run produces exactly the
-    shards a single run would. Returns the summary (prompts, examples, tokens, per-source counts, time), also
-    written to `<out>/summary.json`.
+
+    Generation is continuous batching (`specdec.generate.generate_continuous`): `batch_size` decode rows, refilled
+    `insert_rows` prompts at a time as rows finish, streaming across shard boundaries; a shard is written as soon
+    as its last row ends. Prompt g of the run (its index among the usable prompts) is sampled with its own key
+    fold_in(PRNGKey(seed), g), so a response does not depend on which prompts shared its batch and a resumed
+    run produces exactly the shards a single run would. Returns the summary (prompts, examples, tokens,
+    per-source counts, time, generation throughput and batch utilisation), also written to
+    `<out>/summary.json`.
     """
     import datasets
 
@@ -307,6 +315,7 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
         "format": FORMAT_VERSION, "target": target.cfg.name, "vocab_size": target.cfg.vocab_size,
         "sampling": dataclasses.asdict(sampling), "seed": seed, "max_new_tokens": max_new_tokens,
         "batch_size": batch_size, "shard_size": shard_size, "chat_template": chat_template,
+        "generator": GENERATOR,
         "num_prompts": len(encoded),
         "prompts_sha": _fingerprint([ids if resp is None else [ids, resp] for _, ids, resp in encoded]),
     }
@@ -334,35 +343,9 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
         "teacher_forced": datasets.Value("bool"),
     })
     eos = set(target.eos_token_ids)
-    new_tokens = 0
-    gen_seconds = 0.0
-    # One prompt width and cache size for every batch: a single compiled prefill + decode loop (per-batch
-    # shapes would recompile the whole model for every new prompt-length bucket).
-    if generated:
-        width = _bucket(max(len(ids) for ids in generated), PROMPT_BUCKET)
-        capacity = _bucket(width + max_new_tokens + 1, 64)
-        check_fits([width], max_new_tokens, target.cfg.max_position_embeddings)
-    batches_per_shard = -(-shard_size // batch_size)
-    for s in range(num_shards):
-        if s in done:
-            continue
+
+    def write_shard(s: int, rows: dict[int, list[int]]) -> None:
         items = encoded[s * shard_size:(s + 1) * shard_size]
-        rows: dict[int, list[int]] = {i: resp for i, (_, _, resp) in enumerate(items) if resp is not None}
-        bar.update(len(rows))
-        to_answer = [i for i, (_, _, resp) in enumerate(items) if resp is None]
-        order = sorted(to_answer, key=lambda i: len(items[i][1]))  # similar lengths share a batch
-        for b in range(0, len(order), batch_size):
-            idx = order[b:b + batch_size]
-            batch = [items[i][1] for i in idx]
-            batch += [batch[-1]] * (batch_size - len(batch))  # fixed batch shape: one compiled program
-            tg = time.perf_counter()
-            gen = generate_fixed(target, batch, width, capacity, max_new_tokens, sampling,
-                                 seed * 1_000_003 + s * batches_per_shard + b // batch_size)
-            gen_seconds += time.perf_counter() - tg
-            for i, row in zip(idx, gen):
-                rows[i] = row
-                new_tokens += len(row)
-            bar.update(len(idx))
         records = {k: [] for k in features}
         for i, (record, ids, given) in enumerate(items):
             resp = rows[i]
@@ -384,6 +367,39 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
             if bars:
                 datasets.enable_progress_bars()
         os.replace(tmp, final)  # a killed run never leaves a half shard under the final name
+
+    # Shard s keeps its finished rows (given responses at once, generated ones as they come) in rows[s] and is
+    # written the moment its last generated row ends, while the generator goes on with the next shards' prompts.
+    rows: dict[int, dict[int, list[int]]] = {}
+    waiting: dict[int, int] = {}  # shard -> generated rows still to come
+    todo = []  # (shard, row in shard, prompt ids, index in `encoded`: the prompt's seed)
+    for s in range(num_shards):
+        if s in done:
+            continue
+        items = encoded[s * shard_size:(s + 1) * shard_size]
+        rows[s] = {i: resp for i, (_, _, resp) in enumerate(items) if resp is not None}
+        bar.update(len(rows[s]))
+        answer = [i for i, (_, _, resp) in enumerate(items) if resp is None]
+        waiting[s] = len(answer)
+        todo += [(s, i, items[i][1], s * shard_size + i) for i in answer]
+        if not answer:
+            write_shard(s, rows.pop(s))
+    stats = ContinuousStats()
+    shapes = None
+    if todo:
+        # Shapes from all the run's generated prompts (not just those left), so a resumed run compiles the
+        # same programs as an uninterrupted one.
+        shapes = continuous_shapes(target, [len(ids) for ids in generated], max_new_tokens, batch_size,
+                                   insert_rows)
+        stream = generate_continuous(target, [ids for _, _, ids, _ in todo], [g for *_, g in todo], shapes,
+                                     sampling, seed, stats)
+        for j, response in stream:
+            s, i = todo[j][0], todo[j][1]
+            rows[s][i] = response
+            waiting[s] -= 1
+            bar.update(1)
+            if waiting[s] == 0:
+                write_shard(s, rows.pop(s))
     bar.close()
 
     data = load_distill_data(out)
@@ -394,21 +410,25 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
         "stopped_at_eos": float(np.mean(data.stopped)) if len(data) else 0.0,
         "sources": data.source_counts(),
         "seconds": round(time.perf_counter() - t0, 2),
-        "new_tokens_this_run": new_tokens,
-        "generate_tokens_per_second": round(new_tokens / gen_seconds, 1) if gen_seconds else None,
+        "new_tokens_this_run": stats.new_tokens,
+        "generate_seconds": round(stats.seconds, 2),
+        # response tokens produced / wall seconds of generation (compilation and host refills included)
+        "generate_tokens_per_second": round(stats.tokens_per_second, 1) if stats.seconds else None,
+        # fraction of decode row-steps that produced a kept token (rows idle while waiting for a refill)
+        "batch_utilisation": round(stats.utilisation, 3) if stats.decode_row_steps else None,
+        "decode_batch": batch_size, "insert_rows": shapes.insert_rows if shapes else None,
+        "decode_chunks": stats.chunks,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def _bucket(n: int, size: int) -> int:
-    return -(-n // size) * size
-
-
 def generate_fixed(target, prompts: Sequence[Sequence[int]], width: int, capacity: int, max_new_tokens: int,
-                   sampling: SamplingParams, seed: int) -> list[list[int]]:
+                   sampling: SamplingParams, seed: int, limit: int | None = None) -> list[list[int]]:
     """`specdec.generate.generate` with a fixed prompt width and cache capacity (its compiled prefill and
-    decode loop, so every batch of a data run reuses one program). New tokens per row, EOS included."""
+    decode loop, so every batch reuses one program). New tokens per row, EOS included. The static-batch path
+    (each batch runs until its longest row ends) that `build_distill_data` used before continuous batching;
+    kept as the baseline of benchmarks/bench_data_gen.py. `limit` < max_new_tokens stops early (warm-up)."""
     import jax
     import jax.numpy as jnp
 
@@ -422,7 +442,7 @@ def generate_fixed(target, prompts: Sequence[Sequence[int]], width: int, capacit
     cache = target.init_cache(len(prompts), capacity)
     logits, _, cache = prefill(target.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                forward=target.forward, cfg=target.cfg)
-    result = decode_loop(target.params, cache, logits, jax.random.PRNGKey(seed), jnp.int32(max_new_tokens),
+    result = decode_loop(target.params, cache, logits, jax.random.PRNGKey(seed), jnp.int32(limit or max_new_tokens),
                          forward=target.forward, cfg=target.cfg, sampling=sampling,
                          max_new_tokens=max_new_tokens, eos_ids=tuple(target.eos_token_ids))
     out, counts = np.asarray(result[0]), np.asarray(result[1])  # (tokens, counts[, cache])

@@ -1,0 +1,146 @@
+"""Distillation data throughput: the static-batch generator against continuous batching, same prompts, one run.
+
+Both paths answer the same chat-templated prompts (sampled from a prompt file) with the target, as
+`specdec data` does:
+  * static ("old"): prompts sorted by length, fixed batches of B, each batch decoded in one while_loop until
+    its longest row ends (`specdec.train.data.generate_fixed`, the generator `specdec data` used before);
+  * continuous ("new"): B decode rows, refilled `insert_rows` prompts at a time as rows finish
+    (`specdec.generate.generate_continuous`, what `specdec data` uses now).
+Throughput = response tokens (EOS included) / wall seconds, prefill and host work included, compilation
+excluded (both paths are warmed up first). Utilisation = decode row-steps that produced a kept token / all
+decode row-steps. The paths sample with different keys (per batch vs per prompt), so at temperature > 0 the
+responses differ and so do the token totals; at --temperature 0 they are the same tokens.
+
+Other jobs on a shared 2-core machine make the numbers meaningless: `--pause PIDFILE ...` stops the processes
+named there (SIGSTOP) for each timed path only, waits until the 1-minute load is below --max-load, and resumes
+them (SIGCONT) right after, also when the run fails; the load is printed next to every figure.
+    PYTHONPATH=. python benchmarks/bench_data_gen.py [--n 128] [--batches 64] [--paths static continuous] \
+        [--pause /tmp/data.pid /tmp/train.pid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import time
+
+import numpy as np
+
+from specdec.generate import ContinuousStats, continuous_shapes, generate_continuous
+from specdec.sampling import SamplingParams
+from specdec.target import load_target
+from specdec.train.data import encode_prompt, generate_fixed, load_prompt_records
+
+PROMPTS = "/work/shared/data/prompts/train_prompts.jsonl"
+
+
+@contextlib.contextmanager
+def others_paused(pid_files, max_load: float, max_wait: float = 120.0):
+    """Stop the processes named in `pid_files` (those that exist) and wait for the load to settle; always resume
+    them on the way out."""
+    pids = []
+    for name in pid_files:
+        try:
+            pid = int(open(name).read().split()[0])
+            os.kill(pid, signal.SIGSTOP)
+            pids.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue  # no such file or process: nothing to pause
+    try:
+        t0 = time.time()
+        while pids and os.getloadavg()[0] >= max_load and time.time() - t0 < max_wait:
+            time.sleep(5)
+        yield os.getloadavg()[0]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def run_static(target, prompts, shapes, sampling, seed, warmup=True) -> dict:
+    b = shapes.batch_size
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+    batches = [order[k:k + b] for k in range(0, len(order), b)]
+
+    def padded(idx):
+        batch = [prompts[i] for i in idx]
+        return batch + [batch[-1]] * (b - len(batch))  # fixed batch shape: one compiled program
+
+    args = (shapes.width, shapes.capacity, shapes.max_new_tokens, sampling)
+    if warmup:
+        generate_fixed(target, padded(batches[0]), *args, seed, limit=2)
+    tokens, row_steps, kept = 0, 0, 0
+    t0 = time.perf_counter()
+    for n, idx in enumerate(batches):
+        rows = generate_fixed(target, padded(idx), *args, seed * 1_000_003 + n)
+        counts = [len(r) for r in rows]
+        tokens += sum(counts[:len(idx)])
+        row_steps += b * (max(counts) - 1)  # the first token comes from the prefill, one decode step per next
+        kept += sum(c - 1 for c in counts[:len(idx)])
+    seconds = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": seconds, "utilisation": kept / max(row_steps, 1)}
+
+
+def run_continuous(target, prompts, shapes, sampling, seed, warmup=True) -> dict:
+    stats = ContinuousStats()
+    out = dict(generate_continuous(target, prompts, list(range(len(prompts))), shapes, sampling, seed, stats,
+                                   warmup=warmup))
+    assert len(out) == len(prompts)
+    return {"tokens": stats.new_tokens, "seconds": stats.seconds, "utilisation": stats.utilisation,
+            "chunks": stats.chunks, "inserts": stats.inserts}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", default=PROMPTS)
+    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--sample-seed", type=int, default=0)
+    ap.add_argument("--max-prompt-len", type=int, default=256, help="longer prompts are skipped (as in specdec data)")
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--batches", type=int, nargs="+", default=[64])
+    ap.add_argument("--insert-rows", type=int, default=8)
+    ap.add_argument("--paths", nargs="+", default=["static", "continuous"], choices=["static", "continuous"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pause", nargs="*", default=[], metavar="PIDFILE",
+                    help="pid files of processes to stop while a path is timed")
+    ap.add_argument("--max-load", type=float, default=1.5)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+
+    target = load_target("smollm2-135m-instruct")
+    records = load_prompt_records(args.prompts, limit=args.n, sample_seed=args.sample_seed)
+    prompts = [p for p in (encode_prompt(target, r, True) for r in records) if len(p) <= args.max_prompt_len]
+    lengths = [len(p) for p in prompts]
+    sampling = SamplingParams(args.temperature)
+    print(f"{len(prompts)} prompts (length {min(lengths)}..{max(lengths)}, mean {np.mean(lengths):.0f}), "
+          f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    results = []
+    for b in args.batches:
+        shapes = continuous_shapes(target, lengths, args.max_new_tokens, b, args.insert_rows)
+        row = {"batch": b, "insert_rows": shapes.insert_rows, "width": shapes.width, "capacity": shapes.capacity}
+        for path in args.paths:
+            run = run_static if path == "static" else run_continuous
+            with others_paused(args.pause, args.max_load) as load_before:
+                r = run(target, prompts, shapes, sampling, args.seed)
+                r["load_before"], r["load_after"] = load_before, os.getloadavg()[0]
+            r["tokens_per_second"] = r["tokens"] / r["seconds"]
+            row[path] = r
+            print(f"B={b:<4} {path:<10} {r['tokens']:6d} tokens in {r['seconds']:7.1f} s = "
+                  f"{r['tokens_per_second']:6.1f} tok/s, utilisation {r['utilisation']:.3f}, "
+                  f"load {r['load_before']:.2f} -> {r['load_after']:.2f}", flush=True)
+        if "static" in row and "continuous" in row:
+            row["ratio"] = row["continuous"]["tokens_per_second"] / row["static"]["tokens_per_second"]
+            print(f"B={b:<4} continuous / static = {row['ratio']:.2f}x", flush=True)
+        results.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
