@@ -15,7 +15,7 @@ import pytest
 
 from specdec.generate import ContextLengthError, generate
 from specdec.models import registry
-from specdec.models.loading import load_checkpoint
+from specdec.models.loading import HF_LAYER_NAMES, load_checkpoint
 from specdec.models.registry import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
 
 gguf = pytest.importorskip("gguf")
@@ -288,6 +288,158 @@ def test_hf_dir_missing_tensor(tmp_path):
     write_tiny_safetensors(tmp_path / "model.safetensors")
     with pytest.raises(CorruptCheckpointError, match="model.layers.1"):
         load_checkpoint(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sharded Hugging Face checkpoints (model.safetensors.index.json), read by the `safetensors` library
+# ----------------------------------------------------------------------------------------------------------
+
+HF_TENSOR_NAMES = {key: name for name, key in HF_LAYER_NAMES.items()}  # our layer key -> transformers' name
+
+
+def write_hf_dir(path: Path, shards: int = 1, seed: int = 0) -> tuple[dict, dict]:
+    """A random tiny Llama-style model written as transformers saves one: config.json, tokenizer.json and
+    model.safetensors, or `shards` files model-0000i-of-0000n.safetensors plus model.safetensors.index.json.
+    Returns (the HF-named tensors, the canonical params they encode)."""
+    import jax
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, models
+
+    from specdec.models.config import tiny_config
+    from specdec.models.transformer import init_params
+
+    cfg = tiny_config(tie_word_embeddings=False)
+    params = jax.tree.map(np.asarray, init_params(cfg, jax.random.PRNGKey(seed), scale=0.3))
+    rng = np.random.default_rng(seed)  # norms other than all-ones, so swapping two of them would show
+    for key in ("attn_norm", "mlp_norm"):
+        params["layers"][key] = rng.uniform(0.5, 1.5, params["layers"][key].shape).astype(np.float32)
+    params["final_norm"] = rng.uniform(0.5, 1.5, params["final_norm"].shape).astype(np.float32)
+    # safetensors stores an array's buffer: transposes must be made contiguous first
+    tensors = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"],
+               "lm_head.weight": np.ascontiguousarray(params["lm_head"].T)}
+    for key, stacked in params["layers"].items():
+        for i, w in enumerate(stacked):
+            tensors[f"model.layers.{i}.{HF_TENSOR_NAMES[key]}"] = np.ascontiguousarray(w.T if w.ndim == 2 else w)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}))
+    Tokenizer(models.BPE(vocab={chr(0x100 + i): i for i in range(cfg.vocab_size)}, merges=[])).save(
+        str(path / "tokenizer.json"))
+    if shards == 1:
+        save_file(tensors, str(path / "model.safetensors"))
+        return tensors, params
+    names = sorted(tensors)
+    weight_map = {}
+    for k in range(shards):
+        shard = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[k::shards]
+        save_file({n: tensors[n] for n in part}, str(path / shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    total = sum(t.nbytes for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return tensors, params
+
+
+def test_sharded_hf_dir_loads_like_the_single_file(tmp_path):
+    import jax.numpy as jnp
+
+    from specdec.models.transformer import init_cache
+    from specdec.target import Target
+
+    write_hf_dir(tmp_path / "single")
+    _, expected = write_hf_dir(tmp_path / "sharded", shards=3)
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) == 3
+    cfg_a, params_a, _ = load_checkpoint(tmp_path / "single")
+    cfg_b, params_b, _ = load_checkpoint(tmp_path / "sharded")
+    assert cfg_a.replace(name="x") == cfg_b.replace(name="x") and not cfg_b.tie_word_embeddings
+    for name in ("embed", "final_norm", "lm_head"):
+        np.testing.assert_array_equal(params_b[name], expected[name], err_msg=name)
+        np.testing.assert_array_equal(params_a[name], params_b[name], err_msg=name)
+    for key, want in expected["layers"].items():
+        np.testing.assert_array_equal(params_b["layers"][key], want, err_msg=key)
+        np.testing.assert_array_equal(params_a["layers"][key], params_b["layers"][key], err_msg=key)
+    tokens = jnp.asarray([[1, 40, 41, 42, 7, 9, 100, 200]], jnp.int32)
+    logits = []
+    for cfg, params in ((cfg_a, params_a), (cfg_b, params_b)):
+        target = Target.from_params(cfg, params)
+        cache = init_cache(cfg, 1, tokens.shape[1], stacked=target.backend.stacked)
+        logits.append(np.asarray(target.forward(target.params, cfg, cache, tokens).logits))
+    np.testing.assert_array_equal(logits[0], logits[1])
+    assert np.std(logits[0]) > 0.1, "the random model must give distinct logits for the comparison to mean anything"
+
+
+def test_bfloat16_safetensors_widen_exactly(tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    tensors, _ = write_hf_dir(tmp_path / "m")
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    save_file(bf16, str(tmp_path / "m" / "model.safetensors"))
+    assert load_file(str(tmp_path / "m" / "model.safetensors"))["model.norm.weight"].dtype == ml_dtypes.bfloat16
+    _, params, _ = load_checkpoint(tmp_path / "m")
+    assert params["embed"].dtype == np.float32
+    np.testing.assert_array_equal(params["embed"], bf16["model.embed_tokens.weight"].astype(np.float32))
+
+
+def test_sharded_hf_dir_missing_shard(tmp_path):
+    write_hf_dir(tmp_path / "m", shards=3)
+    (tmp_path / "m" / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"shard model-00002-of-00003\.safetensors is missing"):
+        load_checkpoint(tmp_path / "m")
+
+
+def test_sharded_hf_dir_tensor_missing_from_the_map(tmp_path):
+    write_hf_dir(tmp_path / "m", shards=2)
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    del data["weight_map"]["model.layers.1.mlp.up_proj.weight"]  # still in its shard, but the map is the truth
+    index.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight' \(not in model"):
+        load_checkpoint(tmp_path / "m")
+
+
+def test_sharded_hf_dir_index_names_an_absent_file(tmp_path):
+    write_hf_dir(tmp_path / "m", shards=2)
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.norm.weight"] = "model-extra.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError, match=r"shard model-extra\.safetensors is missing.*maps 1 tensors"):
+        load_checkpoint(tmp_path / "m")
+
+
+def test_sharded_hf_dir_map_points_at_the_wrong_shard(tmp_path):
+    write_hf_dir(tmp_path / "m", shards=2)
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    wm = data["weight_map"]
+    name = next(n for n, s in wm.items() if s.startswith("model-00001"))
+    wm[name] = "model-00002-of-00002.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError, match=rf"model-00002-of-00002\.safetensors: .*does not hold.*{name}"):
+        load_checkpoint(tmp_path / "m")
+
+
+@pytest.mark.parametrize("index", ["{not json", '{"metadata": {}}', '{"weight_map": ["a.safetensors"]}'])
+def test_corrupt_index(tmp_path, index):
+    write_hf_dir(tmp_path / "m", shards=2)
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors.index.json: not a valid index"):
+        load_checkpoint(tmp_path / "m")
+
+
+def test_shards_without_an_index_are_refused(tmp_path):
+    write_hf_dir(tmp_path / "m", shards=2)
+    (tmp_path / "m" / "model.safetensors.index.json").unlink()
+    with pytest.raises(CorruptCheckpointError, match="2 \\*.safetensors files .* no model.safetensors.index.json"):
+        load_checkpoint(tmp_path / "m")
 
 
 # ----------------------------------------------------------------------------------------------------------

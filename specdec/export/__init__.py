@@ -29,7 +29,6 @@ from specdec.train import checkpoint as ckpt
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 META_FILE = "specdec_export.json"
 EXPORTABLE = ("eagle3",)
 
@@ -178,26 +177,15 @@ def model_card(run: Path, run_cfg: dict, meta: dict, config: dict, target, token
 
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of a directory's model.safetensors, or of the shards its index.json lists."""
-    from safetensors.numpy import load_file
+    """All tensors of a directory's model.safetensors, or of the shards its index.json lists (the target
+    loader's reader, `specdec.models.loading.read_safetensors_checkpoint`), its errors as CheckpointError."""
+    from specdec.models.loading import read_safetensors_checkpoint
+    from specdec.models.registry import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
 
-    if (path / INDEX_FILE).is_file():
-        try:
-            shards = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ckpt.CheckpointError(f"{path / INDEX_FILE} is corrupt ({type(e).__name__}: {e})") from None
-        files = [path / s for s in shards]
-    else:
-        files = [path / WEIGHTS_FILE]
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        if not f.is_file():
-            raise ckpt.CheckpointError(f"{path}: weights file {f.name} is missing")
-        try:
-            tensors.update(load_file(str(f)))
-        except Exception as e:  # safetensors raises its own error type for truncated / foreign files
-            raise ckpt.CheckpointError(f"{f} cannot be read ({type(e).__name__}: {e})") from None
-    return tensors
+    try:
+        return read_safetensors_checkpoint(path)
+    except (CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError) as e:
+        raise ckpt.CheckpointError(str(e)) from None
 
 
 def is_export(path: str | os.PathLike) -> bool:

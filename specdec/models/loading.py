@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -158,41 +158,65 @@ HF_LAYER_NAMES = {
     "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
 }
 
-SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
-                      "I64": np.int64, "I32": np.int32}
+SAFETENSORS_WEIGHTS = "model.safetensors"  # transformers' names for a single file and a sharded checkpoint's index
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Read a .safetensors file into float32 NumPy arrays (bf16 widened exactly), checking its integrity."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CorruptCheckpointError(f"{path}: truncated safetensors file (no header)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8:
-            raise CorruptCheckpointError(f"{path}: truncated or corrupt safetensors header")
+def read_safetensors(path: Path, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """The tensors of one .safetensors file (only `names` when given), read by the `safetensors` library, in
+    their stored dtypes (BF16 as ml_dtypes' bfloat16, which widens to float32 exactly)."""
+    import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16", which safetensors' numpy reader asks for)
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            stored = set(f.keys())
+            missing = sorted(set(names) - stored) if names is not None else []
+            if missing:
+                raise CorruptCheckpointError(
+                    f"{path}: {SAFETENSORS_INDEX} maps {len(missing)} tensor(s) to this shard that it does not hold "
+                    f"(first: {missing[0]!r})")
+            return {name: f.get_tensor(name) for name in (names if names is not None else sorted(stored))}
+    except SafetensorError as e:  # the library's one error type: a short, truncated or foreign file
+        raise CorruptCheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
+    except TypeError as e:  # a dtype numpy cannot hold (e.g. float8 without ml_dtypes support)
+        raise UnsupportedModelError(f"{path}: a tensor has a dtype specdec cannot read ({e})") from None
+
+
+def read_safetensors_checkpoint(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a Hugging Face-style directory, chosen as transformers chooses: model.safetensors if
+    present, else the shards that model.safetensors.index.json's `weight_map` (tensor name -> shard file)
+    names, else the directory's single *.safetensors file."""
+    if (path / SAFETENSORS_WEIGHTS).is_file():
+        return read_safetensors(path / SAFETENSORS_WEIGHTS)
+    index_file = path / SAFETENSORS_INDEX
+    if index_file.is_file():
         try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CorruptCheckpointError(f"{path}: corrupt safetensors header ({e})") from e
-    data_start = 8 + header_len
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise UnsupportedModelError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        if data_start + end > size:
-            raise CorruptCheckpointError(f"{path}: truncated (tensor {name} ends past the end of the file)")
-        arr = np.frombuffer(raw[data_start + begin:data_start + end].tobytes(), dtype=dtype)
-        if info["dtype"] == "BF16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        out[name] = arr.astype(np.float32).reshape(info["shape"])
-    return out
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map must map tensor names to shard file names")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"{index_file}: not a valid index ({type(e).__name__}: {e})") from None
+        by_shard: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            by_shard.setdefault(shard, []).append(name)
+        absent = sorted(s for s in by_shard if not (path / s).is_file())
+        if absent:
+            raise CorruptCheckpointError(
+                f"{path}: shard {absent[0]} is missing ({SAFETENSORS_INDEX} maps {len(by_shard[absent[0]])} "
+                f"tensors to it; {len(absent)} of its {len(by_shard)} shards are absent)")
+        tensors: dict[str, np.ndarray] = {}
+        for shard, names in sorted(by_shard.items()):
+            tensors.update(read_safetensors(path / shard, names))
+        return tensors
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{path}: no *.safetensors files")
+    if len(files) > 1:  # shards without their index: which file holds what is not ours to guess
+        raise CorruptCheckpointError(
+            f"{path}: {len(files)} *.safetensors files ({', '.join(f.name for f in files[:3])}, ...) but no "
+            f"{SAFETENSORS_WEIGHTS} and no {SAFETENSORS_INDEX} saying which tensors each shard holds")
+    return read_safetensors(files[0])
 
 
 def load_hf_dir(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict, Tokenizer]:
@@ -206,12 +230,8 @@ def load_hf_dir(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict, 
         raise UnsupportedModelError(
             f"{path}: architecture {archs or hf.get('model_type')!r} is not supported "
             f"(supported: {', '.join(HF_ARCHS)})")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"{path}: no *.safetensors files")
-    weights: dict[str, np.ndarray] = {}
-    for f in files:
-        weights.update(read_safetensors(f))
+    weights = read_safetensors_checkpoint(path)
+    sharded = not (path / SAFETENSORS_WEIGHTS).is_file() and (path / SAFETENSORS_INDEX).is_file()
 
     tokenizer = Tokenizer.from_hf_dir(path)
     eos = hf.get("eos_token_id", tokenizer.eos_token_ids)
@@ -250,8 +270,9 @@ def load_hf_dir(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict, 
 
     def take(name: str) -> np.ndarray:
         if name not in weights:
-            raise CorruptCheckpointError(f"{path}: missing tensor {name!r}")
-        return weights.pop(name)
+            where = f" (not in {SAFETENSORS_INDEX}'s weight_map)" if sharded else ""
+            raise CorruptCheckpointError(f"{path}: missing tensor {name!r}{where}")
+        return np.asarray(weights.pop(name), dtype=np.float32)
 
     shapes = layer_param_shapes(cfg)
     layers = {key: np.empty((cfg.num_layers, *shape), np.float32) for key, shape in shapes.items()}
