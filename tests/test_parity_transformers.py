@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import struct
 from pathlib import Path
 
 import jax
@@ -287,12 +286,12 @@ def assert_logits_match(target: Target, model, rows, tol=REL_L2_TOL, check_argma
 
 
 def safetensors_dtypes(path: Path) -> set[str]:
+    from safetensors import safe_open
+
     dtypes = set()
     for f in path.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        dtypes |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+        with safe_open(str(f), framework="numpy") as fh:
+            dtypes |= {fh.get_slice(name).get_dtype() for name in fh.keys()}
     return dtypes
 
 

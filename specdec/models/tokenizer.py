@@ -2,17 +2,25 @@
 
 GGUF checkpoints carry `tokenizer.ggml.*` (vocabulary, merges, token types, special ids, chat template);
 Hugging Face directories carry tokenizer.json and tokenizer_config.json. Either way the result is a
-`tokenizers.Tokenizer` plus the Jinja chat template, rendered by a real (sandboxed) Jinja engine the way
-transformers renders it.
+`tokenizers.Tokenizer` plus the Jinja chat template, rendered the way transformers renders it
+(`transformers.utils.chat_template_utils`): a sandboxed Jinja environment with trim_blocks, lstrip_blocks and
+loop controls; its extras `raise_exception(msg)`, `strftime_now(fmt)`, a `tojson` that does not HTML-escape
+and takes indent / separators / sort_keys / ensure_ascii, and the `{% generation %}` block; the variables
+`messages` (keys holding None dropped), `tools`, `documents`, `add_generation_prompt`, the special tokens
+that are set (`bos_token`, `eos_token`, `unk_token`, `pad_token`) and any extra keyword (e.g. `date_string`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -36,11 +44,44 @@ def _raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' tojson: Jinja's own escapes <, >, & and ' for HTML (wrong in a prompt) and takes only indent
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's tokens with it (for training
+    masks); rendering, it is its body, in a scope of its own as transformers' call block is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """A chat template compiled in transformers' environment (the sandbox: templates are untrusted code)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
-                 pad_token: str | None, chat_template: str | None, extra_eos: Sequence[str] = ()):
+                 pad_token: str | None, chat_template: str | None, extra_eos: Sequence[str] = (),
+                 unk_token: str | None = None):
         self.backend = tokenizer
-        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
         self.chat_template = chat_template
         self.bos_token_id = self._id(bos_token)
         self.pad_token_id = self._id(pad_token)
@@ -61,20 +102,40 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids if int(i) >= 0], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The special tokens that are set, by transformers' names (what a chat template sees)."""
+        tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
+                  "pad_token": self.pad_token}
+        return {name: token for name, token in tokens.items() if token is not None}
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None, documents: list[dict] | None = None,
+                            **template_vars) -> str:
+        """`messages` ([{"role", "content"}, ...]) rendered as transformers' `tokenizer.apply_chat_template(
+        messages, tokenize=False, ...)` renders them; `template_vars` (e.g. date_string="26 Jul 2024") reach the
+        template as variables, overriding the special tokens as in transformers."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template; pass raw text instead of messages")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise_exception
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        if not messages:
+            raise ValueError("cannot apply the chat template to an empty conversation")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise TypeError(f"chat message {i} is a {type(m).__name__}, not a dict with 'role' and 'content'")
+        # transformers drops keys holding None (an API's content=None), which templates would print as "None"
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        return compile_chat_template(self.chat_template).render(
+            messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens_map, **template_vars})
+
+    def encode_messages(self, messages: list[dict], **template_vars) -> list[int]:
+        """Token ids of a conversation rendered with the chat template, ending in the assistant's prompt."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True, **template_vars))
 
     def encode_chat(self, user_message: str, system: str | None = None) -> list[int]:
         messages = ([{"role": "system", "content": system}] if system else []) + \
                    [{"role": "user", "content": user_message}]
-        return self.encode(self.apply_chat_template(messages))
+        return self.encode_messages(messages)
 
     # ------------------------------------------------------------------------------------------------------
     @classmethod
@@ -109,7 +170,7 @@ class Tokenizer:
 
         return cls(backend, bos_token=token("tokenizer.ggml.bos_token_id"),
                    eos_token=token("tokenizer.ggml.eos_token_id"), pad_token=token("tokenizer.ggml.padding_token_id"),
-                   chat_template=field("tokenizer.chat_template"))
+                   unk_token=token("tokenizer.ggml.unknown_token_id"), chat_template=field("tokenizer.chat_template"))
 
     @classmethod
     def from_hf_dir(cls, path: Path) -> "Tokenizer":
@@ -128,4 +189,4 @@ class Tokenizer:
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
         return cls(backend, bos_token=name(cfg.get("bos_token")), eos_token=name(cfg.get("eos_token")),
-                   pad_token=name(cfg.get("pad_token")), chat_template=template)
+                   pad_token=name(cfg.get("pad_token")), unk_token=name(cfg.get("unk_token")), chat_template=template)
