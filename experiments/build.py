@@ -4,6 +4,9 @@
 which has no tokenizer; `ByteCodec` gives it a deterministic byte-level one: token id = UTF-8 byte value.
 Ids 0-2 double as the tiny model's special tokens (unk, bos, eos); those control bytes never occur in text
 and are dropped when decoding. No chat template.
+
+A conversation (`Prompt.messages`) is chat-templated when the codec has a template and `chat` is on; otherwise
+it is its turns' texts joined by blank lines (`plain_conversation`), a single user turn being just its text.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ TINY_WEIGHT_SCALE = 0.35  # peaky random logits, so greedy text repeats and look
 CHAIN_TO_TREE = {"greedy_chain": "greedy_tree", "rejection_chain": "multidraft_tree"}
 
 
+def plain_conversation(messages: Sequence[dict]) -> str:
+    """A conversation as plain text, for models without a chat template: the turns' texts, blank-line separated."""
+    return "\n\n".join(m["content"] for m in messages)
+
+
 class ByteCodec:
     """Text <-> token ids for models without a tokenizer: one token per UTF-8 byte."""
 
@@ -30,6 +38,9 @@ class ByteCodec:
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_messages(self, messages: Sequence[dict], chat: bool = False) -> list[int]:
+        return self.encode(plain_conversation(messages))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 2 < int(i) < 256).decode("utf-8", errors="replace")
@@ -50,8 +61,20 @@ class TokenizerCodec:
             return self.tokenizer.encode_chat(text)
         return self.tokenizer.encode(text)
 
+    def encode_messages(self, messages: Sequence[dict], chat: bool = False) -> list[int]:
+        if chat and self.tokenizer.chat_template:
+            return self.tokenizer.encode_messages(list(messages))
+        return self.tokenizer.encode(plain_conversation(messages))
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
+
+
+def encode_prompt(codec, prompt, chat: bool) -> list[int]:
+    """A prompt's token ids: its conversation (`prompt.messages`) when it has one, else its text as one turn."""
+    if prompt.messages is None:
+        return codec.encode(prompt.text, chat=chat)
+    return codec.encode_messages(prompt.messages, chat=chat)
 
 
 def codec_for(target: Target):

@@ -13,6 +13,8 @@ Known record layouts are detected from their fields (or forced with `field`):
 
   layout      fields                                   prompt text            reference (for scoring)
   mt_bench    question_id, category, turns[, reference] turns[0] (first turn)   reference (if any)
+  chat        messages (role/content) or ShareGPT       the conversation up to its last user turn (system kept),
+              conversations (from/value, human/gpt)     chat-templated; its last assistant turn is the reference
   gsm8k       question, answer ("... #### 42")          question               the final number "42"
   humaneval   task_id, prompt, test, entry_point        prompt (*)             {prompt, test, entry_point}
   mbpp        task_id, text, test_list[, code]          text + the tests (**)  {test_list, test_setup_code}
@@ -24,15 +26,21 @@ Python function ..."), since an instruction-tuned model answers a bare code prom
 `per_category: N` keeps the first N prompts of each category (e.g. 2 of each of MT-Bench's 8), then `limit`.
 `sample_seed: S` shuffles the records with seed S first (a random sample; the indices stay the file positions).
 MBPP splits follow the paper: test = task_id 11-510 (default), validation 511-600, train 601-974, prompt 1-10.
+
+Multi-turn MT-Bench as Spec-Bench runs it (`turns: 2`): each question gives one prompt per turn; turn t is the
+conversation [user 1, assistant 1, ..., user t] where the assistant turns are the target's own greedy (plain AR)
+answers. Such prompts carry those answers as placeholders (assistant content None) until `fill_own_answers`
+fills them in (experiments/run.py does, before the run); `limit` / `per_category` count questions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import json
+from typing import Any, Callable, Sequence
 
 from specdec.config import DatasetConfig
-from specdec.records import DataError, load_records, record_text, sample_order
+from specdec.records import DataError, chat_list, chat_messages, load_records, record_text, sample_order
 from specdec.prompts import PROMPT_SETS, builtin
 
 MBPP_SPLITS = {"test": (11, 510), "validation": (511, 600), "train": (601, 974), "prompt": (1, 10)}
@@ -46,7 +54,10 @@ class Prompt:
     category: str
     text: str
     reference: Any = None  # what a scorer needs (GSM8K final answer, HumanEval tests, ...) or None
-    layout: str = "generic"  # mt_bench | gsm8k | humaneval | mbpp | builtin | generic
+    layout: str = "generic"  # mt_bench | chat | gsm8k | humaneval | mbpp | builtin | generic
+    # A conversation to render instead of `text` as one user turn: [{"role", "content"}, ...] ending in a user
+    # turn; an assistant turn with content None stands for the target's own answer (see fill_own_answers).
+    messages: list[dict] | None = None
 
     @property
     def key(self) -> str:
@@ -62,6 +73,8 @@ def detect_layout(record: dict) -> str:
     keys = set(record)
     if "turns" in keys and isinstance(record.get("turns"), list):
         return "mt_bench"
+    if chat_list(record) is not None:
+        return "chat"
     if {"question", "answer"} <= keys:
         return "gsm8k"
     if {"prompt", "test", "entry_point"} <= keys:
@@ -94,6 +107,15 @@ def to_prompt(record: dict, index: int, *, label: str, layout: str, field: str |
             raise DatasetError(f"{where}: record {qid!r} has no turns")
         return Prompt(label, qid, category or str(record.get("category", label)), str(turns[0]),
                       record.get("reference"), layout)
+    if layout == "chat":
+        messages = chat_messages(chat_list(record), f"{where} record {qid!r}")
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last_user is None:
+            raise DatasetError(f"{where}: record {qid!r}: the conversation has no user turn to answer")
+        answers = [m["content"] for m in messages[last_user + 1:] if m["role"] == "assistant"]
+        cat = category or (str(record["category"]) if isinstance(record.get("category"), str) else label)
+        return Prompt(label, qid, cat, messages[last_user]["content"], answers[0] if answers else None, layout,
+                      messages=messages[: last_user + 1])
     if layout == "gsm8k":
         return Prompt(label, qid, category or "math", str(record["question"]),
                       gsm8k_final_answer(str(record["answer"])), layout)
@@ -125,6 +147,9 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
         return _select(items, ds)
     records, where, label = load_records(name, ds.split, default_split="test")
     layout = detect_layout(records[0])
+    if ds.turns > 1 and (layout != "mt_bench" or ds.field is not None):
+        raise DatasetError(f"{where}: `turns: {ds.turns}` needs MT-Bench-style records with a `turns` list "
+                           f"(these are {layout!r}{' read through `field`' if ds.field else ''})")
     if layout != "generic" and ds.field is None:
         label = layout  # gsm8k/0, humaneval/HumanEval/0, mt_bench/81, mbpp/11
     if layout == "mbpp":
@@ -134,13 +159,65 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
         lo, hi = MBPP_SPLITS[split]
         if all("task_id" in r for r in records):
             records = [r for r in records if lo <= int(r["task_id"]) <= hi]
-    prompts = []
+    prompts, turns = [], {}
     for i, record in sample_order(records, ds.sample_seed):
         if ds.limit and not ds.per_category and len(prompts) >= ds.limit:
             break
-        prompts.append(to_prompt(record, i, label=label, layout=layout, field=ds.field, category=ds.category,
-                                 chat=chat, where=where))
-    return _select(prompts, ds)
+        prompt = to_prompt(record, i, label=label, layout=layout, field=ds.field, category=ds.category,
+                           chat=chat, where=where)
+        prompts.append(prompt)
+        turns[prompt.key] = record.get("turns")
+    prompts = _select(prompts, ds)
+    if ds.turns == 1:
+        return prompts
+    return [p for first in prompts for p in later_turns(first, turns[first.key], ds.turns, where)]
+
+
+def later_turns(first: Prompt, turns: list, n: int, where: str) -> list[Prompt]:
+    """The first `n` turns of an MT-Bench question as prompts: turn 1 as it is, turn t > 1 the conversation
+    [user 1, <own answer>, ..., user t] (question id "<id>/turn<t>"), each own answer a placeholder."""
+    if len(turns) < n:
+        raise DatasetError(f"{where}: record {first.question_id!r} has {len(turns)} turn(s); `turns: {n}` needs {n}")
+    out = [first]
+    messages: list[dict] = []
+    for t in range(1, n + 1):
+        messages = messages + [{"role": "user", "content": str(turns[t - 1])}]
+        if t > 1:
+            out.append(dataclasses.replace(first, question_id=f"{first.question_id}/turn{t}", text=str(turns[t - 1]),
+                                           messages=messages))
+        messages = messages + [{"role": "assistant", "content": None}]
+    return out
+
+
+def fill_own_answers(prompts: Sequence[Prompt], answer: Callable[[list[list[dict]]], list[str]]) -> int:
+    """Fill every own-answer placeholder (an assistant turn with content None) with the target's answer to the
+    conversation before it: `answer(conversations)` -> one answer text per conversation. Earlier turns are filled
+    first (a later answer is asked after them); a conversation shared by several prompts is answered once.
+    Returns how many distinct conversations were answered."""
+    answered: dict[str, str] = {}
+    while True:
+        cuts = {}  # conversation key -> the conversation before a prompt's first placeholder
+        for p in prompts:
+            i = _first_placeholder(p)
+            if i is not None:
+                cuts.setdefault(json.dumps(p.messages[:i]), p.messages[:i])
+        if not cuts:
+            return len(answered)
+        todo = [key for key in cuts if key not in answered]
+        texts = answer([cuts[key] for key in todo]) if todo else []
+        if len(texts) != len(todo):
+            raise DatasetError(f"own answers: asked for {len(todo)}, got {len(texts)}")
+        answered.update(zip(todo, texts))
+        for p in prompts:
+            i = _first_placeholder(p)
+            if i is not None:
+                own = {"role": "assistant", "content": answered[json.dumps(p.messages[:i])]}
+                p.messages = [*p.messages[:i], own, *p.messages[i + 1:]]
+
+
+def _first_placeholder(prompt: Prompt) -> int | None:
+    return next((i for i, m in enumerate(prompt.messages or ()) if m["role"] == "assistant" and m["content"] is None),
+                None)
 
 
 def _select(prompts: list[Prompt], ds: DatasetConfig) -> list[Prompt]:

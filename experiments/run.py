@@ -3,7 +3,9 @@
     summary = run_experiment(load_config("configs/experiments/headline.yaml", ["generation.batch_size=8"]))
 
 What a run does, in order:
-  1. loads the target, the drafter and the prompts of `data.datasets` (experiments/datasets.py);
+  1. loads the target, the drafter and the prompts of `data.datasets` (experiments/datasets.py); multi-turn
+     prompts (`turns: 2`) first get the target's own greedy AR answers to their earlier turns (`own_answers`,
+     kept in own_answers.json so a resumed run asks the same conversations);
   2. decodes every prompt with plain autoregressive decoding (`eval.baseline`) and with speculative decoding,
      `generation.batch_size` prompts at a time (batches never mix datasets; see `plan_batches`), each call
      warmed up first so compile time is excluded (`eval.warmup`);
@@ -13,6 +15,7 @@ What a run does, in order:
      (experiments/quality.py); a failed check raises after everything is written;
   5. writes, under `<output.dir>/<output.name>/`:
        config.yaml                     the resolved config
+       own_answers.json                multi-turn runs: the conversations before later turns -> the answers
        answers/autoregressive.jsonl    per-prompt records in Spec-Bench's answer-file format (see RECORDS)
        answers/speculative.jsonl
        metrics/<method>.jsonl          per-batch DecodeMetrics (what the summary is computed from)
@@ -53,9 +56,9 @@ from typing import Callable
 import yaml
 
 from experiments import plots
-from experiments.build import (build_drafter, build_scheduler, build_target, check_supported, codec_for,
+from experiments.build import (build_drafter, build_scheduler, build_target, check_supported, codec_for, encode_prompt,
                                drafter_label, effective_policy)
-from experiments.datasets import Prompt, load_all
+from experiments.datasets import Prompt, fill_own_answers, load_all
 from experiments.lossless import LosslessError, LosslessResult, check_greedy, check_sampled, skipped
 from experiments.provenance import load_average, provenance
 from experiments.quality import METRIC, score_all
@@ -94,6 +97,10 @@ class RunPaths:
     @property
     def profile(self) -> Path:
         return self.root / "profile.json"
+
+    @property
+    def own_answers(self) -> Path:
+        return self.root / "own_answers.json"
 
     def answers(self, method: str) -> Path:
         return self.root / "answers" / f"{method}.jsonl"
@@ -336,6 +343,33 @@ def baseline_key(cfg: ExperimentConfig) -> str:
                        "generation": to_dict(gen), "warmup": cfg.eval.warmup}, sort_keys=True)
 
 
+def own_answers(target, codec, chat: bool, cfg: ExperimentConfig, store: Path,
+                echo: Callable[[str], None]) -> Callable[[list[list[dict]]], list[str]]:
+    """The answerer `fill_own_answers` asks for the turns before a later MT-Bench turn, as Spec-Bench makes them:
+    the target's greedy plain-AR answer (generation.max_new_tokens at most), decoded without special tokens and
+    stripped. Answers are kept in `store` (conversation JSON -> answer) and reused, so a resumed run and its
+    speculative and AR phases see the same conversations."""
+    from specdec.generate import generate
+    from specdec.sampling import GREEDY
+
+    def answer(conversations: list[list[dict]]) -> list[str]:
+        known = json.loads(store.read_text()) if store.exists() else {}
+        todo = [c for c in conversations if json.dumps(c) not in known]
+        if todo:
+            echo(f"answering {len(todo)} earlier turn(s) with greedy AR decoding (multi-turn prompts)")
+        size = cfg.generation.batch_size
+        for start in range(0, len(todo), size):
+            batch = todo[start: start + size]
+            out = generate(target, [codec.encode_messages(c, chat=chat) for c in batch], cfg.generation.max_new_tokens,
+                           GREEDY, max_seq_len=cfg.model.max_seq_len)
+            known.update((json.dumps(c), codec.decode(t).strip()) for c, t in zip(batch, out.tokens))
+            store.parent.mkdir(parents=True, exist_ok=True)
+            store.write_text(json.dumps(known, indent=1, ensure_ascii=False))
+        return [known[json.dumps(c)] for c in conversations]
+
+    return answer
+
+
 def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, tracker: Tracker | None = None,
                    progress: bool = True, baseline_cache: dict | None = None, max_batches: int | None = None,
                    echo: Callable[[str], None] = print) -> dict:
@@ -359,7 +393,8 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
     codec = codec_for(target)
     chat = cfg.data.chat_template and codec.chat_template is not None
     prompts = load_all(cfg.data.datasets, chat=chat)
-    ids = {p.key: codec.encode(p.text, chat=chat) for p in prompts}
+    fill_own_answers(prompts, own_answers(target, codec, chat, cfg, paths.own_answers, echo))
+    ids = {p.key: encode_prompt(codec, p, chat) for p in prompts}
     drafter, dparams = build_drafter(cfg, target)
     policy_name, policy_note = effective_policy(cfg.verify, drafter)
     # the engine's per-round choices of what to verify: the scheduler and the verify-width buckets

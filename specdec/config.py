@@ -204,6 +204,9 @@ class DatasetConfig:
     # Shuffle the records with this seed before `per_category` / `limit`: a random sample instead of the file's
     # first N (files sorted by source, like the training prompts, otherwise give N of one source). None: file order.
     sample_seed: int | None = None
+    # MT-Bench-style records (`turns` lists): answer the first N turns, each asked after the target's own greedy
+    # (plain AR) answers to the turns before it, as Spec-Bench runs MT-Bench; every turn is one prompt.
+    turns: int = 1
     # Distillation data only (`specdec data`). A response field makes the examples teacher-forced: the record's
     # own answer ("auto": response / answer / output / completion / code, or the last assistant turn of
     # `messages`) is used instead of generating one.
@@ -213,7 +216,7 @@ class DatasetConfig:
 
     def __post_init__(self):
         _require(bool(self.name), "name", "must not be empty")
-        _at_least(self, 1, "limit", "per_category")
+        _at_least(self, 1, "limit", "per_category", "turns")
         for item in self.exclude_ids:
             lo, dash, hi = str(item).partition("-")
             _require((lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)) if dash else bool(str(item)),

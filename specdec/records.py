@@ -5,6 +5,11 @@ HumanEval / MBPP layouts) and the distillation data (`specdec/train/data.py`):
 
     records, where, label = load_records("${SPECDEC_DATA}/gsm8k/test.jsonl")    # -> [dict, ...]
     text = record_text(records[0], field=None, where=where)                    # the prompt of a plain record
+    chat = chat_messages(chat_list(records[0]), where)                         # a chat record's turns
+
+Chat records hold their conversation as `messages` ([{"role": "user" | "assistant" | "system", "content"}])
+or in ShareGPT's `conversations` ([{"from": "human" | "gpt" | "system", "value"}]); `chat_messages` gives
+either as transformers' role / content messages.
 
 A name is a local file when it ends in .jsonl / .json / .csv or names an existing path (`$VARS` and `~` are
 expanded; an unset variable is an error that names it); a file that does not exist is an error, never a hub
@@ -136,6 +141,59 @@ def record_text(record: dict, field: str | None, where: str) -> str:
             return text
     raise DataError(f"{where}: cannot tell which field holds the prompt (fields: {sorted(record)}); "
                     f"set `field` in the dataset config")
+
+
+CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+              "model": "assistant"}  # either layout's role name -> transformers' (what chat templates expect)
+
+
+def chat_list(record: dict) -> list | None:
+    """A record's conversation as stored (`messages`, else ShareGPT `conversations`); None when it has none."""
+    messages = record.get("messages") or record.get("conversations")
+    return messages if isinstance(messages, list) and messages else None
+
+
+def message_role(message) -> str | None:
+    """The transformers role of a message in either layout (None: not a message, or an unknown role)."""
+    if not isinstance(message, dict):
+        return None
+    return CHAT_ROLES.get(message.get("role", message.get("from")))
+
+
+def message_content(message: dict) -> str:
+    return str(message.get("content", message.get("value", "")))
+
+
+def first_user(messages: list, where: str) -> str:
+    for m in messages:
+        if message_role(m) == "user":
+            return message_content(m)
+    raise DataError(f"{where}: the messages hold no user turn")
+
+
+def last_assistant(messages: list, where: str) -> str:
+    for m in reversed(messages):
+        if message_role(m) == "assistant":
+            return message_content(m)
+    raise DataError(f"{where}: the messages hold no assistant turn")
+
+
+def chat_messages(messages: list, where: str) -> list[dict]:
+    """A stored conversation as [{"role", "content"}] in transformers' role names (system / user / assistant);
+    every message must be one: a dict with a known role and text content."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: message {i} is a {type(m).__name__}, not an object with role and content")
+        role_key, content_key = ("role", "content") if "role" in m else ("from", "value")
+        role = CHAT_ROLES.get(m.get(role_key))
+        if role is None:
+            raise DataError(f"{where}: message {i} has {role_key} {m.get(role_key)!r}; known: {', '.join(CHAT_ROLES)} "
+                            f"(`messages` use role/content, ShareGPT `conversations` use from/value)")
+        if not isinstance(m.get(content_key), str):
+            raise DataError(f"{where}: message {i} ({role}) has no text {content_key!r}")
+        out.append({"role": role, "content": m[content_key]})
+    return out
 
 
 def sample_order(records: Sequence, seed: int | None) -> list[tuple[int, Any]]:

@@ -296,6 +296,9 @@ def test_codecs_apply_the_chat_template_when_the_tokenizer_has_one():
         def encode_chat(self, text):
             return [0] + self.encode(text) + [1]
 
+        def encode_messages(self, messages):
+            return [0] + [i for m in messages for i in self.encode(m["role"][0] + m["content"])] + [1]
+
         def decode(self, ids):
             return "".join(chr(i) for i in ids)
 
@@ -304,6 +307,11 @@ def test_codecs_apply_the_chat_template_when_the_tokenizer_has_one():
     assert codec.encode("ab", chat=True) == [0, 97, 98, 1] and codec.encode("ab") == [97, 98]
     assert ByteCodec().chat_template is None and ByteCodec().encode("hé") == [104, 195, 169]
     assert ByteCodec().decode([2, 104, 195, 169]) == "hé"
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert codec.encode_messages(chat, chat=True) == [0, ord("s"), ord("s"), ord("u"), ord("u"), 1]
+    # no template (or chat off): the turns' texts, blank-line separated
+    assert codec.encode_messages(chat) == [ord("s"), 10, 10, ord("u")]
+    assert ByteCodec().encode_messages(chat, chat=True) == [ord("s"), 10, 10, ord("u")]
 
 
 def test_pareto_front():
@@ -392,6 +400,116 @@ def test_generic_files_fields_and_sources(tmp_path, monkeypatch):
 
     both = load_all([DatasetConfig(str(path)), DatasetConfig(str(path))])  # same file twice: distinct keys
     assert len({p.key for p in both}) == 4
+
+
+def test_chat_layouts_messages_and_sharegpt_conversations(tmp_path):
+    messages = write_jsonl(tmp_path / "chats.jsonl", [
+        {"id": "a", "category": "advice", "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Tips?"},
+            {"role": "assistant", "content": "Sleep."}]},
+        {"id": "b", "messages": [{"role": "user", "content": "One turn"}]}])
+    a, b = load_prompts(DatasetConfig(messages))
+    assert (a.key, a.layout, a.category, a.text, a.reference) == ("chat/a", "chat", "advice", "Tips?", "Sleep.")
+    # the conversation up to its last user turn, the system message kept; the answer after it is the reference
+    assert a.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Tips?"}]
+    assert b.messages == [{"role": "user", "content": "One turn"}] and b.reference is None and b.category == "chat"
+
+    sharegpt = write_jsonl(tmp_path / "sharegpt.jsonl", [{"id": "s1", "conversations": [
+        {"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hey"},
+        {"from": "gpt", "value": "Hi!"}]}])
+    (s1,) = load_prompts(DatasetConfig(sharegpt))
+    assert s1.messages == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hey"}]
+    assert (s1.text, s1.reference, s1.layout) == ("Hey", "Hi!", "chat")
+
+    from experiments.build import ByteCodec, encode_prompt
+
+    assert ByteCodec().decode(encode_prompt(ByteCodec(), s1, chat=False)) == "Be kind.\n\nHey"
+
+    bad = {"no user": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}],
+           "has role 'robot'": [{"role": "robot", "content": "x"}],
+           "has from 'bot'": [{"from": "bot", "value": "x"}],
+           "message 1 is a str": [{"role": "user", "content": "x"}, "oops"],
+           "has no text 'content'": [{"role": "user", "content": None}]}
+    for i, (problem, conversation) in enumerate(bad.items()):
+        path = write_jsonl(tmp_path / f"bad{i}.jsonl", [{"id": 1, "messages": conversation}])
+        with pytest.raises(DatasetError, match=problem):
+            load_prompts(DatasetConfig(path))
+
+
+def mt_bench_file(tmp_path, turns=("Write a poem.", "Shorter.")):
+    return write_jsonl(tmp_path / "question.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": [f"{t} (81)" for t in turns]},
+        {"question_id": 82, "category": "writing", "turns": [f"{t} (82)" for t in turns]},
+        {"question_id": 91, "category": "roleplay", "turns": [f"{t} (91)" for t in turns]}])
+
+
+def test_multi_turn_mt_bench_prompts(tmp_path):
+    from experiments.datasets import fill_own_answers
+
+    mt = mt_bench_file(tmp_path, ("One.", "Two.", "Three."))
+    items = load_prompts(DatasetConfig(mt, turns=3, limit=2))  # limit counts questions, each gives 3 prompts
+    assert [p.key for p in items] == ["mt_bench/81", "mt_bench/81/turn2", "mt_bench/81/turn3",
+                                      "mt_bench/82", "mt_bench/82/turn2", "mt_bench/82/turn3"]
+    first, second, third = items[:3]
+    assert first.messages is None and first.text == "One. (81)"
+    assert second.text == "Two. (81)" and second.category == "writing"
+    assert second.messages == [{"role": "user", "content": "One. (81)"}, {"role": "assistant", "content": None},
+                               {"role": "user", "content": "Two. (81)"}]
+
+    asked = []
+
+    def answer(conversations):  # a stand-in for the target: names what it was asked
+        asked.append(conversations)
+        return [f"A{len(c)}:" + c[-1]["content"] for c in conversations]
+
+    assert fill_own_answers(items, answer) == 4  # 2 questions x (the first turn, the first two turns)
+    assert asked[0] == [[{"role": "user", "content": "One. (81)"}], [{"role": "user", "content": "One. (82)"}]]
+    assert third.messages == [{"role": "user", "content": "One. (81)"}, {"role": "assistant", "content": "A1:One. (81)"},
+                              {"role": "user", "content": "Two. (81)"},
+                              {"role": "assistant", "content": "A3:Two. (81)"},
+                              {"role": "user", "content": "Three. (81)"}]
+    assert second.messages[1] == third.messages[1]  # one answer to one conversation
+    assert fill_own_answers(items, answer) == 0 and len(asked) == 2  # nothing left to answer
+
+    assert [p.key for p in load_prompts(DatasetConfig(mt, turns=2, per_category=1))] == [
+        "mt_bench/81", "mt_bench/81/turn2", "mt_bench/91", "mt_bench/91/turn2"]
+    with pytest.raises(DatasetError, match=r"record 81 has 3 turn\(s\); `turns: 4` needs 4"):
+        load_prompts(DatasetConfig(mt, turns=4))
+    gsm = write_jsonl(tmp_path / "test.jsonl", [{"question": "2+2?", "answer": "#### 4"}])
+    with pytest.raises(DatasetError, match="`turns: 2` needs MT-Bench-style records .* 'gsm8k'"):
+        load_prompts(DatasetConfig(gsm, turns=2))
+    with pytest.raises(ConfigError, match="data.datasets.0.turns"):
+        load_config({}, ["data.datasets.0.turns=0"])
+
+
+def test_multi_turn_run_asks_turn_two_after_the_targets_own_answer(tmp_path):
+    """Spec-Bench's MT-Bench on the tiny model: turn 2 is [user 1, the target's greedy AR answer, user 2]."""
+    from experiments.build import ByteCodec, build_target
+    from specdec.generate import generate
+    from specdec.sampling import GREEDY
+
+    mt = mt_bench_file(tmp_path)
+    cfg = tiny_cfg(tmp_path, "mt2", f"data.datasets=[{{name: {mt}, turns: 2, limit: 2}}]", "generation.batch_size=2")
+    summary = run_experiment(cfg, progress=False, echo=quiet)
+    assert summary["prompts"] == 4 and summary["lossless"]["passed"]
+    own = json.loads((tmp_path / "mt2" / "own_answers.json").read_text())
+    target, codec = build_target(cfg.model), ByteCodec()
+    expected = {}
+    for qid in (81, 82):
+        user1 = f"Write a poem. ({qid})"
+        tokens = generate(target, [codec.encode(user1)], cfg.generation.max_new_tokens, GREEDY).tokens[0]
+        expected[json.dumps([{"role": "user", "content": user1}])] = codec.decode(tokens).strip()
+    assert own == expected and all(own.values())
+    ar = {r["question_id"]: r for r in read_jsonl(tmp_path / "mt2" / "answers" / "autoregressive.jsonl")}
+    assert set(ar) == {81, 82, "81/turn2", "82/turn2"}
+    for qid in (81, 82):
+        answer1 = expected[json.dumps([{"role": "user", "content": f"Write a poem. ({qid})"}])]
+        turn2 = codec.encode(f"Write a poem. ({qid})\n\n{answer1}\n\nShorter. ({qid})")
+        assert ar[f"{qid}/turn2"]["prompt_tokens"] == len(turn2)
+        assert ar[qid]["prompt_tokens"] == len(codec.encode(f"Write a poem. ({qid})"))
+        assert ar[qid]["choices"][0]["turns"][0].strip() == answer1  # the run's own greedy turn-1 answer
 
 
 def test_hub_name_offline_gives_a_clear_error(monkeypatch):

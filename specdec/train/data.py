@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from specdec.generate import ContinuousStats, continuous_shapes, generate_continuous
-from specdec.records import DataError, load_records, record_text, sample_order
+from specdec.records import DataError, chat_list, first_user, last_assistant, load_records, record_text, sample_order
 from specdec.sampling import SamplingParams
 
 SELF_PROMPTS = "self"  # data.datasets name meaning "the target writes the prompts"
@@ -64,9 +64,9 @@ def record_response(record: dict, field: str, where: str) -> str:
     last assistant turn of a chat `messages` list). GSM8K's calculator annotations are removed (no model writes
     them), the rest is kept verbatim."""
     if field == "auto":
-        messages = record.get("messages") or record.get("conversations")
-        if isinstance(messages, list) and messages:
-            return _last_assistant(messages, where)
+        messages = chat_list(record)
+        if messages is not None:
+            return last_assistant(messages, where)
         field = next((f for f in RESPONSE_FIELDS if isinstance(record.get(f), str) and record[f].strip()), None)
         if field is None:
             raise DataError(f"{where}: no response field (looked for {', '.join(RESPONSE_FIELDS)} and messages; "
@@ -77,22 +77,6 @@ def record_response(record: dict, field: str, where: str) -> str:
     if field == "answer" and "\n#### " in text:  # GSM8K
         text = GSM8K_CALCULATOR.sub("", text)
     return text
-
-
-def _last_assistant(messages: list, where: str) -> str:
-    for m in reversed(messages):
-        role = m.get("role", m.get("from")) if isinstance(m, dict) else None
-        if role in ("assistant", "gpt", "model"):
-            return str(m.get("content", m.get("value", "")))
-    raise DataError(f"{where}: the messages hold no assistant turn")
-
-
-def _first_user(messages: list, where: str) -> str:
-    for m in messages:
-        role = m.get("role", m.get("from")) if isinstance(m, dict) else None
-        if role in ("user", "human"):
-            return str(m.get("content", m.get("value", "")))
-    raise DataError(f"{where}: the messages hold no user turn")
 
 
 def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
@@ -141,9 +125,9 @@ def load_prompt_records(name: str, *, split: str | None = None, field: str | Non
         if rid in excluded:
             continue
         at = f"{where} record {i}"
-        messages = record.get("messages") or record.get("conversations")
-        if field is None and isinstance(messages, list) and messages:
-            text = _first_user(messages, at)
+        messages = chat_list(record)
+        if field is None and messages is not None:
+            text = first_user(messages, at)
         else:
             text = record_text(record, field, at)
         if contaminated is not None and contaminated(text):
