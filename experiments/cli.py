@@ -129,6 +129,13 @@ def cmd_export(args) -> int:
     out = export_run(run, args.out_dir, args.format, target, model_name=model.name,
                      num_draft_tokens=args.num_draft_tokens, overwrite=args.overwrite)
     print(f"exported {run} for {args.format} -> {out}")
+    if stored.is_file():  # the export becomes an artifact of the training run's own W&B run
+        from experiments.tracking import make_tracker
+
+        cfg = load_config(yaml.safe_load(stored.read_text()))
+        with make_tracker(cfg.tracking, run_name=run.name, out_dir=run, resume_dir=run) as tracker:
+            tracker.log_artifact(f"{run.name}-{args.format}", "model", sorted(f for f in out.iterdir() if f.is_file()),
+                                 {"format": args.format, "target": model.name})
     for f in sorted(out.iterdir()):
         print(f"  {f.name} ({f.stat().st_size:,} bytes)")
     return 0
@@ -223,7 +230,24 @@ def cmd_data(args) -> int:
                                    "decode_batch"]))
     for source, counts in summary["sources"].items():
         print(f"    {source}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    from experiments.tracking import make_tracker
+
+    with make_tracker(cfg.tracking, run_name=f"data-{Path(tc.data_dir).name}", out_dir=Path(tc.data_dir)) as tracker:
+        tracker.log_summary(summary)
+        tracker.log_artifact(*data_artifact(tc.data_dir))
     return 0
+
+
+def data_artifact(data_dir) -> tuple[str, str, list[Path], dict]:
+    """(name, kind, files, metadata) of a distillation data set's W&B artifact: its manifest and summary (the
+    shards stay on disk; the manifest's fingerprint identifies them)."""
+    from specdec.train.data import MANIFEST
+
+    d = Path(data_dir)
+    files = [f for f in (d / MANIFEST, d / "summary.json") if f.is_file()]
+    manifest = json.loads((d / MANIFEST).read_text()) if (d / MANIFEST).is_file() else {}
+    return f"distill-data-{d.name}", "dataset", files, {"prompts_sha": manifest.get("prompts_sha"),
+                                                         "num_prompts": manifest.get("num_prompts")}
 
 
 def cmd_train(args) -> int:
@@ -247,7 +271,9 @@ def cmd_train(args) -> int:
     target = build_target(cfg.model, cfg.mesh)
     drafters.available()  # drafter modules register their training tasks on import
     task = make_task(cfg.drafter.name, target, cfg.train.drafter_options)
-    tracker = make_tracker(cfg.tracking, run_name=name, out_dir=run_dir, config=to_dict(cfg))
+    # a resumed run continues its W&B run (the id is kept in the run directory), linked to its data
+    tracker = make_tracker(cfg.tracking, run_name=name, out_dir=run_dir, config=to_dict(cfg), resume_dir=run_dir)
+    tracker.use_artifact(*data_artifact(cfg.train.data_dir))
     try:
         summary = train(task, target, data, cfg.train, run_dir, tracker=tracker, progress=not args.no_progress,
                         full_config=to_dict(cfg), eval_draft_len=cfg.drafter.num_draft_tokens)

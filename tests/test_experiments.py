@@ -248,6 +248,33 @@ def test_wandb_offline_run_directory(tmp_path, monkeypatch):
     assert len(runs) == 1 and Path(runs[0]).stat().st_size > 0
 
 
+def test_wandb_run_resumes_by_stored_id_and_records_artifacts(tmp_path, monkeypatch):
+    """A tracker made with the same resume_dir continues the same W&B run (the id kept in tracking.json); files
+    become artifacts; an input artifact offline is recorded in the config with its files' digests."""
+    import json
+
+    from experiments.tracking import TRACKING_FILE, make_tracker
+    from specdec.config import TrackingConfig
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = TrackingConfig(backend="wandb", mode="offline", project="t")
+    run_dir = tmp_path / "run"
+    (tmp_path / "manifest.json").write_text('{"prompts_sha": "abc"}')
+    with make_tracker(cfg, run_name="r", out_dir=run_dir, resume_dir=run_dir) as first:
+        first.use_artifact("distill-data-x", "dataset", [tmp_path / "manifest.json"])
+        first.log_artifact("drafter-x", "model", [tmp_path / "manifest.json"])
+        first_id = first.run_id
+        recorded = json.loads(first.run.config["inputs/distill-data-x"])
+    assert recorded["files"]["manifest.json"] and recorded["kind"] == "dataset"
+    assert json.loads((run_dir / TRACKING_FILE).read_text())["wandb_run_id"] == first_id
+    with make_tracker(cfg, run_name="r", out_dir=run_dir, resume_dir=run_dir) as again:
+        assert again.run_id == first_id
+        with pytest.raises(FileNotFoundError, match="missing.bin"):
+            again.log_artifact("drafter-x", "model", [tmp_path / "missing.bin"])
+    runs = glob.glob(str(run_dir / "wandb" / f"offline-run-*-{first_id}"))
+    assert len(runs) == 2  # two sessions of one run id: `wandb sync` uploads them as one run
+
+
 # ------------------------------------------------------------------------------------------------ sweep
 
 

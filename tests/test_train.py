@@ -110,6 +110,28 @@ def test_data_is_target_responses_with_response_mask_and_resumes(data_dir, targe
         args.func(args)
 
 
+def test_data_and_training_runs_log_the_data_artifact(work, data_dir, monkeypatch):
+    """`specdec data` logs the data set (manifest + summary) as an artifact; `specdec train` declares it as its
+    input and resumes its tracker from the run directory."""
+    import experiments.tracking as tracking
+
+    made = []
+
+    def memory_tracker(cfg, *, run_name, out_dir, config=None, resume_dir=None):
+        made.append((run_name, resume_dir, MemoryTracker(run_name)))
+        return made[-1][2]
+
+    monkeypatch.setattr(tracking, "make_tracker", memory_tracker)
+    assert cli.main(["data", CONFIG, f"train.data_dir={data_dir}", "--no-progress"]) == 0
+    name = f"distill-data-{data_dir.name}"
+    logged = made[-1][2].artifacts[name]
+    assert logged["kind"] == "dataset" and [Path(f).name for f in logged["files"]] == ["manifest.json", "summary.json"]
+    assert cli.main(["train", CONFIG, *overrides(work, data_dir, "eagle3"), "output.name=artifact",
+                     "--no-progress"]) == 0
+    run_name, resume_dir, tracker = made[-1]
+    assert resume_dir == work / "runs" / "artifact" and name in tracker.inputs
+
+
 def test_prompt_files_and_offline_hub(tmp_path, monkeypatch):
     (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "hi"}\n{"instruction": "do", "input": "this"}\n')
     (tmp_path / "p.csv").write_text("prompt\nfirst\nsecond\n")
