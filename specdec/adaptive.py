@@ -11,10 +11,13 @@ Inputs, both known before the target runs:
 - C(W): measured inside the compiled loop itself (`measure_round_costs`: the same program, forced to one width
   per pass, draft and loop overhead included), cached per machine / model / backend / drafter / batch /
   capacity in the specdec cache dir (`round_costs.json`), re-measured on request.
-- P_b: per-row running estimates from that row's own history (exponentially decayed counts, so a row's
-  estimates follow its text, and drift back to the prior when unobserved, which makes the loop try the draft
-  again now and then): the conditional acceptance of position j given j-1 was accepted, and how often position
-  j is drafted at all (an n-gram miss drafts nothing).
+- P_b: per-row running estimates from that row's own history (exponentially decayed counts, decayed when the
+  position is observed, so a row's estimates follow its text): the conditional acceptance of position j given
+  j-1 was accepted, and how often position j is drafted at all (an n-gram miss drafts nothing).
+- Exploration: after `explore_every` rounds in a row that verified nothing, one round verifies at the best
+  non-zero width, so a row whose text turns copy-heavy is noticed; it costs ~(C(1) - C(0)) / C(0) /
+  explore_every of a step (~1% here). (Session 6 let unobserved counts drift back to the optimistic prior
+  instead: on open chat a third of the rounds then verified drafts accepted 11% of the time.)
 
 Two decisions per round:
 1. `plan`, before drafting, from the history alone: if W = 0 wins, the draft is skipped (drafters whose state
@@ -70,6 +73,7 @@ class AdaptiveState:
     width_rounds: jax.Array  # int32 [K] loop iterations per verify width
     skipped_drafts: jax.Array  # int32 [] iterations that skipped the draft
     predicted_seconds: jax.Array  # float32 []
+    quiet_rounds: jax.Array  # int32 [] consecutive iterations that verified nothing (exploration clock)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,7 @@ class AdaptiveWidth:
     # decay 0.9 after a run of rejections) instead of never learning that the text turned copy-heavy.
     prior: float = 1.0
     prior_weight: float = 1.0
+    explore_every: int = 16  # verify (the best width > 0) after this many rounds in a row that verified nothing
     reprofile: bool = False  # measure the round costs again even if cached
     # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
     # replay a run with another machine's costs, or in tests. None: measure (cached).
@@ -104,6 +109,8 @@ class AdaptiveWidth:
                                  f"draft seconds >= 0), got {self.costs!r}")
         if self.prior_weight <= 0:
             raise ValueError(f"scheduler.prior_weight must be > 0, got {self.prior_weight!r}")
+        if self.explore_every < 1:
+            raise ValueError(f"scheduler.explore_every must be >= 1, got {self.explore_every!r}")
 
     # -- state -------------------------------------------------------------------------------------------
 
@@ -120,7 +127,7 @@ class AdaptiveWidth:
             force_valid=jnp.asarray(False), last_drafted_levels=jnp.zeros((batch, num_nodes), bool),
             last_drafted=jnp.asarray(False),
             width_rounds=jnp.zeros((k,), jnp.int32), skipped_drafts=jnp.zeros((), jnp.int32),
-            predicted_seconds=jnp.zeros((), jnp.float32))
+            predicted_seconds=jnp.zeros((), jnp.float32), quiet_rounds=jnp.zeros((), jnp.int32))
 
     def _rate(self, num, den, prior=None):
         prior = self.prior if prior is None else prior
@@ -149,11 +156,12 @@ class AdaptiveWidth:
         theta = jnp.where(allowed, value / jnp.maximum(cost, 1e-9), -jnp.inf)
         return jnp.argmax(theta).astype(jnp.int32)
 
-    @staticmethod
-    def _allowed(widths, num_nodes: int, tree: bool) -> jax.Array:
+    def _allowed(self, st: AdaptiveState, widths, num_nodes: int, tree: bool) -> jax.Array:
         w = jnp.asarray(widths)
         # a tree is verified whole or not at all (its node order is not a priority order)
-        return (w == 0) | (w == num_nodes) if tree else jnp.ones(w.shape, bool)
+        allowed = (w == 0) | (w == num_nodes) if tree else jnp.ones(w.shape, bool)
+        exploring = st.quiet_rounds >= self.explore_every  # this round must verify something
+        return allowed & ~(exploring & (w == 0))
 
     def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool) -> jax.Array:
         """Index into `widths` to draft for, from the history alone (0: skip the draft)."""
@@ -161,7 +169,7 @@ class AdaptiveWidth:
         gain = self._rate(st.drafted, st.drafts) * self.survival(st)  # [B, N] P(j drafted and accepted)
         cum = jnp.concatenate([jnp.zeros_like(gain[:, :1]), jnp.cumsum(gain, axis=1)], axis=1)  # [B, N+1]
         value = jnp.sum(jnp.where(active[:, None], 1.0 + cum[:, jnp.asarray(widths)], 0.0), axis=0)
-        best = self._best(value, st.round_cost, self._allowed(widths, n, tree))
+        best = self._best(value, st.round_cost, self._allowed(st, widths, n, tree))
         return jnp.where(st.force_plan >= 0, st.force_plan, best)
 
     def refine(self, st: AdaptiveState, draft, planned: jax.Array, drafted: jax.Array, widths: tuple[int, ...],
@@ -187,7 +195,7 @@ class AdaptiveWidth:
             upto = jnp.minimum(w[None, :], lead[:, None])  # [B, K]
             value = jnp.sum(jnp.where(active[:, None], 1.0 + jnp.take_along_axis(cum, upto, axis=1), 0.0), axis=0)
             verify_only = jnp.where(w > 0, st.round_cost - st.draft_cost, st.round_cost)  # the draft is paid
-            k = jnp.where(drafted, self._best(value, verify_only, self._allowed(widths, n, tree)), planned)
+            k = jnp.where(drafted, self._best(value, verify_only, self._allowed(st, widths, n, tree)), planned)
         k = jnp.where(st.force_refine >= 0, st.force_refine, k)
         if tree:  # a tree is verified whole or not at all
             keep = valid & (w[k] > 0) & drafted
@@ -202,23 +210,26 @@ class AdaptiveWidth:
             st, last_drafted_levels=drafted_levels & drafted, last_drafted=drafted,
             width_rounds=st.width_rounds.at[ran].add(any_active.astype(jnp.int32)),
             skipped_drafts=st.skipped_drafts + (any_active & ~drafted).astype(jnp.int32),
-            predicted_seconds=st.predicted_seconds + jnp.where(any_active, cost, 0.0))
+            predicted_seconds=st.predicted_seconds + jnp.where(any_active, cost, 0.0),
+            quiet_rounds=jnp.where(ran > 0, 0, st.quiet_rounds + any_active.astype(jnp.int32)))
         return dataclasses.replace(draft, valid=keep), st
 
     def observe(self, st: AdaptiveState, verified: jax.Array, num_accepted: jax.Array,
                 active: jax.Array) -> AdaptiveState:
         """Fold one verified round into each active row's history. `verified` [B, N]: the depths the target
-        verified (`trees.levels_present` of the draft as verified)."""
+        verified (`trees.levels_present` of the draft as verified). A count decays only when its position is
+        observed (acceptance: reached; drafted rates: a round that drafted), so what a row learnt is kept while
+        it skips the draft; finished rows keep their counts."""
         was_drafted = st.last_drafted_levels
         pos = jnp.arange(verified.shape[1])[None, :]
-        reached = verified & (pos <= num_accepted[:, None])  # j verified and j-1 accepted
+        reached = verified & (pos <= num_accepted[:, None]) & active[:, None]  # j verified and j-1 accepted
         hit = reached & (pos < num_accepted[:, None])
-        g = jnp.where(active[:, None], self.decay, 1.0)  # finished rows keep their counts
-        act = active[:, None].astype(jnp.float32)
-        did = (st.last_drafted & active)[:, None].astype(jnp.float32)
+        g_seen = jnp.where(reached, self.decay, 1.0)
+        did = (st.last_drafted & active)[:, None]
+        g_drafted = jnp.where(did, self.decay, 1.0)
         return dataclasses.replace(
-            st, hits=g * st.hits + act * hit, reached=g * st.reached + act * reached,
-            drafted=g * st.drafted + did * was_drafted, drafts=g[:, :1] * st.drafts + did)
+            st, hits=g_seen * st.hits + hit, reached=g_seen * st.reached + reached,
+            drafted=g_drafted * st.drafted + (did & was_drafted), drafts=g_drafted * st.drafts + did)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -156,6 +156,7 @@ class SchedulerConfig:
     profile_path: str | None = None  # "prefix": JSON cache of the measured SPS(token batch) profile
     decay: float = 0.9  # "adaptive": per-round decay of each row's acceptance history
     prior: float = 1.0  # "adaptive": the acceptance assumed of a position with no recent history
+    explore_every: int = 16  # "adaptive": verify after this many rounds in a row that verified nothing
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
     reprofile: bool = False  # "adaptive": measure the round costs again even if cached
 
@@ -163,6 +164,7 @@ class SchedulerConfig:
         _require(0 <= self.threshold <= 1, "threshold", f"must be in [0, 1], got {self.threshold!r}")
         _require(0 <= self.decay < 1, "decay", f"must be in [0, 1), got {self.decay!r}")
         _require(0 < self.prior <= 1, "prior", f"must be in (0, 1], got {self.prior!r}")
+        _at_least(self, 1, "explore_every")
 
 
 @dataclasses.dataclass(frozen=True)

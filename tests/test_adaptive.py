@@ -80,8 +80,34 @@ def test_observe_counts_reached_and_accepted_positions():
     assert np.asarray(st.hits).tolist() == [[1, 0, 0], [1, 1, 0]]
     assert np.asarray(st.drafted).tolist() == [[1, 1, 1], [1, 1, 0]]
     st = sched.observe(st, draft.valid, jnp.asarray([0, 0]), jnp.asarray([True, False]))  # row 1 finished: kept
-    assert np.asarray(st.reached).tolist() == [[1.5, 0.5, 0], [1, 1, 0]]
+    # row 0 rejected position 1: only position 1 was observed, so only its counts decay
+    assert np.asarray(st.reached).tolist() == [[1.5, 1, 0], [1, 1, 0]]
     assert np.asarray(st.hits).tolist() == [[0.5, 0, 0], [1, 1, 0]]
+    assert np.asarray(st.drafted).tolist() == [[1.5, 1.5, 1.5], [1, 1, 0]]
+    # a round that verified nothing (the draft skipped) decays nothing
+    st = dataclasses.replace(st, last_drafted=jnp.asarray(False))
+    same = sched.observe(st, jnp.zeros((2, 3), bool), jnp.asarray([0, 0]), jnp.asarray([True, True]))
+    for name in ("hits", "reached", "drafted", "drafts"):
+        assert np.array_equal(getattr(same, name), getattr(st, name)), name
+
+
+def test_exploration_verifies_after_a_run_of_quiet_rounds():
+    """A hopeless history skips the draft, but after `explore_every` quiet rounds the plan and the refinement
+    both must verify (the best width > 0); a verifying round restarts the clock."""
+    sched = AdaptiveWidth(explore_every=3)
+    widths = (0, 1, 3)
+    st = sched.init_state(1, 3, ((1.0, 1.5, 2.0), 0.1))
+    st = dataclasses.replace(st, hits=jnp.zeros((1, 3)), reached=jnp.full((1, 3), 50.0),
+                             drafted=jnp.full((1, 3), 50.0), drafts=jnp.full((1, 1), 50.0))
+    active = jnp.asarray([True])
+    draft = Draft.chain(jnp.ones((1, 3), jnp.int32))
+    plans = []
+    for _ in range(5):
+        k = sched.plan(st, widths, active, tree=False)
+        plans.append(int(k))
+        _, st = sched.refine(st, draft, k, k > 0, widths, active, look=True, tree=False)
+    assert plans == [0, 0, 0, 1, 0]  # three quiet rounds, then one that verifies the narrowest width
+    assert int(st.quiet_rounds) == 1
 
 
 def adaptive_drafters(target):
@@ -101,7 +127,7 @@ def test_adaptive_greedy_equals_ar_with_rounds_of_every_width():
         # trees run widths 0 or 4 (then as narrow as the tree)
         costs = ((1.0, 1.5, 2.0, 2.5), 0.2) if name == "tree" else COSTS_4
         batch = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17,
-                                     scheduler=AdaptiveWidth(costs=costs))
+                                     scheduler=AdaptiveWidth(costs=costs, explore_every=4))
         assert batch.tokens == ar.tokens, name
         m = batch.metrics
         assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (name, m.width_rounds)
@@ -120,7 +146,7 @@ def test_adaptive_sampled_output_matches_target_distribution():
     for drafter in (create_drafter("self_spec", target, 3, num_layers=1),
                     create_drafter("ngram", target, 3, max_ngram=1)):
         counts, impossible, m = sampled_joint(target, drafter, "rejection_chain", num_samples=3000,
-                                              scheduler=AdaptiveWidth(costs=costs))
+                                              scheduler=AdaptiveWidth(costs=costs, explore_every=4))
         assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (drafter.name, m.width_rounds)
         assert_lossless(counts, impossible, m, num_samples=3000)
 
