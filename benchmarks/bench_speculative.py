@@ -116,7 +116,8 @@ class DrafterSpec:
     @classmethod
     def parse(cls, text: str) -> "DrafterSpec":
         """`name[:key=value,...]`; k = num_draft_tokens (default 5), policy = verification policy, buckets =
-        verify widths (`auto`, or node counts like 0/1/3), scheduler = `adaptive` or `fixed`."""
+        verify widths (`auto`, or node counts like 0/1/3), scheduler = `adaptive` or `fixed`, explore = the
+        adaptive width's `explore_every` (e.g. `scheduler=adaptive,explore=8`)."""
         name, _, rest = text.partition(":")
         opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
         k = int(opts.pop("k", 5))
@@ -127,8 +128,19 @@ class DrafterSpec:
         scheduler = opts.pop("scheduler", None)
         if scheduler not in (None, "fixed", "adaptive"):
             raise ValueError(f"{text}: scheduler must be 'adaptive' or 'fixed', got {scheduler!r}")
+        explore = opts.pop("explore", None)
+        if explore is not None:
+            if scheduler != "adaptive":
+                raise ValueError(f"{text}: explore= is an option of scheduler=adaptive")
+            scheduler = f"adaptive,explore={int(explore)}"
         return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())), buckets,
                    None if scheduler == "fixed" else scheduler)
+
+    def make_scheduler(self):
+        if not self.scheduler:
+            return None
+        _, _, explore = self.scheduler.partition(",explore=")
+        return AdaptiveWidth(explore_every=int(explore)) if explore else AdaptiveWidth()
 
     @property
     def label(self) -> str:
@@ -162,7 +174,7 @@ def run_spec(target: Target, drafter, policy: str, groups, max_new: int, buckets
         drafter.clear_global()
     outs = [speculative_generate(target, drafter, g, policy=policy, max_new_tokens=max_new, sampling=GREEDY,
                                  warmup=True, verify_buckets=buckets,
-                                 scheduler=AdaptiveWidth() if scheduler == "adaptive" else None) for g in groups]
+                                 scheduler=scheduler) for g in groups]
     tokens = [row for o in outs for row in o.tokens]
     return tokens, merge([o.metrics for o in outs])
 
@@ -315,7 +327,7 @@ def main(argv=None) -> dict:
             for spec in specs:
                 d = drafters[spec]
                 policy = spec.policy or DEFAULT_POLICY[d.kind]
-                tokens, m = run_spec(target, d, policy, groups, args.max_new_tokens, spec.buckets, spec.scheduler)
+                tokens, m = run_spec(target, d, policy, groups, args.max_new_tokens, spec.buckets, spec.make_scheduler())
                 rows.append({**base, "method": spec.label, "policy": policy, **_row(m, ar, tokens, ar_tokens)})
                 print(_line(rows[-1]), flush=True)
             summary["rows"].extend(rows)

@@ -14,9 +14,9 @@ Inputs, both known before the target runs:
 - P_b: per-row running estimates from that row's own history (exponentially decayed counts, decayed when the
   position is observed, so a row's estimates follow its text): the conditional acceptance of position j given
   j-1 was accepted, and how often position j is drafted at all (an n-gram miss drafts nothing).
-- Exploration: after `explore_every` rounds in a row that verified nothing, one round verifies at the best
+- Exploration: after `explore_every` (8) rounds in a row that verified nothing, one round verifies at the best
   non-zero width, so a row whose text turns copy-heavy is noticed; it costs ~(C(1) - C(0)) / C(0) /
-  explore_every of a step (~1% here). (Session 6 let unobserved counts drift back to the optimistic prior
+  explore_every of a step (~2% here). (Session 6 let unobserved counts drift back to the optimistic prior
   instead: on open chat a third of the rounds then verified drafts accepted 11% of the time.)
 
 Two decisions per round:
@@ -87,7 +87,7 @@ class AdaptiveWidth:
     # decay 0.9 after a run of rejections) instead of never learning that the text turned copy-heavy.
     prior: float = 1.0
     prior_weight: float = 1.0
-    explore_every: int = 16  # verify (the best width > 0) after this many rounds in a row that verified nothing
+    explore_every: int = 8  # verify (the best width > 0) after this many rounds in a row that verified nothing
     reprofile: bool = False  # measure the round costs again even if cached
     # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
     # replay a run with another machine's costs, or in tests. None: measure (cached).

@@ -156,7 +156,7 @@ class SchedulerConfig:
     profile_path: str | None = None  # "prefix": JSON cache of the measured SPS(token batch) profile
     decay: float = 0.9  # "adaptive": per-round decay of each row's acceptance history
     prior: float = 1.0  # "adaptive": the acceptance assumed of a position with no recent history
-    explore_every: int = 16  # "adaptive": verify after this many rounds in a row that verified nothing
+    explore_every: int = 8  # "adaptive": verify after this many rounds in a row that verified nothing
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
     reprofile: bool = False  # "adaptive": measure the round costs again even if cached
 
