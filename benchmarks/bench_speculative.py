@@ -112,6 +112,7 @@ class DrafterSpec:
     params: tuple[tuple[str, object], ...]
     buckets: object = None  # the engine's verify_buckets ("auto" or node counts joined by '/'); None = off
     scheduler: str | None = None  # "adaptive": the adaptive verify width (specdec/adaptive.py); None = fixed
+    explore_every: int | None = None  # the adaptive width's explore_every (None: its default)
 
     @classmethod
     def parse(cls, text: str) -> "DrafterSpec":
@@ -129,18 +130,15 @@ class DrafterSpec:
         if scheduler not in (None, "fixed", "adaptive"):
             raise ValueError(f"{text}: scheduler must be 'adaptive' or 'fixed', got {scheduler!r}")
         explore = opts.pop("explore", None)
-        if explore is not None:
-            if scheduler != "adaptive":
-                raise ValueError(f"{text}: explore= is an option of scheduler=adaptive")
-            scheduler = f"adaptive,explore={int(explore)}"
+        if explore is not None and scheduler != "adaptive":
+            raise ValueError(f"{text}: explore= is an option of scheduler=adaptive")
         return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())), buckets,
-                   None if scheduler == "fixed" else scheduler)
+                   None if scheduler == "fixed" else scheduler, None if explore is None else int(explore))
 
     def make_scheduler(self):
         if not self.scheduler:
             return None
-        _, _, explore = self.scheduler.partition(",explore=")
-        return AdaptiveWidth(explore_every=int(explore)) if explore else AdaptiveWidth()
+        return AdaptiveWidth() if self.explore_every is None else AdaptiveWidth(explore_every=self.explore_every)
 
     @property
     def label(self) -> str:
@@ -149,6 +147,8 @@ class DrafterSpec:
             extra += f",buckets={self.buckets if isinstance(self.buckets, str) else '/'.join(map(str, self.buckets))}"
         if self.scheduler:
             extra += f",{self.scheduler}"
+        if self.explore_every is not None:
+            extra += f",explore={self.explore_every}"
         return f"{self.name}(k={self.k}{extra})"
 
 

@@ -121,7 +121,8 @@ def cmd_export(args) -> int:
     stored = run / "config.yaml"
     if args.model is None and not stored.is_file():
         raise ValueError(f"{run} has no config.yaml naming its target; pass --model")
-    model = load_config(yaml.safe_load(stored.read_text())).model if stored.is_file() else None
+    run_cfg = load_config(yaml.safe_load(stored.read_text())) if stored.is_file() else None
+    model = run_cfg.model if run_cfg is not None else None
     if args.model is not None:
         model = load_config({"model": {"name": args.model}}).model
     print(f"loading target {model.name} ...", flush=True)
@@ -129,11 +130,10 @@ def cmd_export(args) -> int:
     out = export_run(run, args.out_dir, args.format, target, model_name=model.name,
                      num_draft_tokens=args.num_draft_tokens, overwrite=args.overwrite)
     print(f"exported {run} for {args.format} -> {out}")
-    if stored.is_file():  # the export becomes an artifact of the training run's own W&B run
+    if run_cfg is not None:  # the export becomes an artifact of the training run's own W&B run
         from experiments.tracking import make_tracker
 
-        cfg = load_config(yaml.safe_load(stored.read_text()))
-        with make_tracker(cfg.tracking, run_name=run.name, out_dir=run, resume_dir=run) as tracker:
+        with make_tracker(run_cfg.tracking, run_name=run.name, out_dir=run, resume_dir=run) as tracker:
             tracker.log_artifact(f"{run.name}-{args.format}", "model", sorted(f for f in out.iterdir() if f.is_file()),
                                  {"format": args.format, "target": model.name})
     for f in sorted(out.iterdir()):

@@ -80,11 +80,10 @@ class AdaptiveState:
 class AdaptiveWidth:
     """Static settings (hashable: part of the compiled loop's identity). Config `scheduler.kind: adaptive`."""
 
-    decay: float = 0.9  # per-round decay of the history counts (memory ~ 1 / (1 - decay) rounds)
-    # Prior acceptance / drafted rate of a position with no recent history, in pseudo-rounds of weight
-    # `prior_weight`. Optimistic (1.0) on purpose: a row's counts decay while the loop skips the draft, so its
-    # estimates climb back to the prior and the loop tries the draft again (~once per 15-20 skipped rounds at
-    # decay 0.9 after a run of rejections) instead of never learning that the text turned copy-heavy.
+    decay: float = 0.9  # decay of a history count each time its position is observed (memory ~ 10 observations)
+    # Prior acceptance / drafted rate of a position with no history, in pseudo-rounds of weight `prior_weight`.
+    # Optimistic (1.0), so a row tries the draft from its first rounds; after that its own observations dominate,
+    # and `explore_every` (not the prior) makes a row that stopped verifying try again.
     prior: float = 1.0
     prior_weight: float = 1.0
     explore_every: int = 8  # verify (the best width > 0) after this many rounds in a row that verified nothing

@@ -154,7 +154,7 @@ class SchedulerConfig:
     kind: Literal["fixed", "adaptive", "threshold", "prefix"] = "fixed"
     threshold: float = 0.5  # "threshold": verify slot j while the prefix-survival confidence a_j >= this
     profile_path: str | None = None  # "prefix": JSON cache of the measured SPS(token batch) profile
-    decay: float = 0.9  # "adaptive": per-round decay of each row's acceptance history
+    decay: float = 0.9  # "adaptive": decay of each row's history count when its position is observed
     prior: float = 1.0  # "adaptive": the acceptance assumed of a position with no recent history
     explore_every: int = 8  # "adaptive": verify after this many rounds in a row that verified nothing
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
@@ -220,16 +220,23 @@ class DatasetConfig:
         _require(bool(self.name), "name", "must not be empty")
         _at_least(self, 1, "limit", "per_category", "turns")
         for item in self.exclude_ids:
-            lo, dash, hi = str(item).partition("-")
-            _require((lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)) if dash else bool(str(item)),
-                     "exclude_ids", f"{item!r} is neither an id nor a range 'low-high' of integer ids")
+            _require(_id_range(item) is not None, "exclude_ids",
+                     f"{item!r} is neither an id nor a range 'low-high' of integer ids")
 
     def excluded_ids(self) -> set[str]:
-        out: set[str] = set()
-        for item in self.exclude_ids:
-            lo, dash, hi = str(item).partition("-")
-            out |= {str(i) for i in range(int(lo), int(hi) + 1)} if dash else {str(item)}
-        return out
+        return set().union(*(_id_range(item) for item in self.exclude_ids))
+
+
+def _id_range(item) -> set[str] | None:
+    """The ids an `exclude_ids` entry names: "11-510" is the integer ids 11..510, anything else one id;
+    None for an empty entry or a malformed range."""
+    text = str(item)
+    lo, dash, hi = text.partition("-")
+    if not dash:
+        return {text} if text else None
+    if not (lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)):
+        return None
+    return {str(i) for i in range(int(lo), int(hi) + 1)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -230,15 +230,15 @@ def insert_prompts(params, state: DecodeState, tokens, lengths, slots, prompt_ke
     eos = jnp.asarray(eos_ids or (NO_EOS,), jnp.int32)
     stacked = jax.tree.leaves(state.cache.k)[0].ndim == 5
     small = init_cache(cfg, r, width, stacked=stacked, dtype=jax.tree.leaves(state.cache.k)[0].dtype)
-    step = forward(params, cfg, small, tokens, logits_at=(lengths - 1)[:, None])
-    first = _row_sample(prompt_keys, jnp.zeros((r,), jnp.int32), step.logits[:, 0], sampling)
+    logits, _, prefilled = prefill(params, small, tokens, lengths, forward=forward, cfg=cfg)
+    first = _row_sample(prompt_keys, jnp.zeros((r,), jnp.int32), logits, sampling)
 
     def place(big, new):  # new [.., R, KVH, W, HD] -> rows `slots`, positions 0..W-1 of big [.., B, KVH, S, HD]
         index = (slice(None),) * KVCache.batch_axis(big) + (slots, slice(None), slice(0, width))
         return big.at[index].set(new, mode="drop")
 
-    cache = KVCache(k=jax.tree.map(place, state.cache.k, step.cache.k),
-                    v=jax.tree.map(place, state.cache.v, step.cache.v),
+    cache = KVCache(k=jax.tree.map(place, state.cache.k, prefilled.k),
+                    v=jax.tree.map(place, state.cache.v, prefilled.v),
                     lengths=state.cache.lengths.at[slots].set(lengths, mode="drop"))
     rows_out = jnp.full((r, max_new), -1, jnp.int32).at[:, 0].set(first)
     return state._replace(

@@ -4,6 +4,7 @@ check / offline reuse, all without network access or the 93 MB download."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -387,6 +388,15 @@ def test_bfloat16_safetensors_widen_exactly(tmp_path):
     np.testing.assert_array_equal(params["embed"], bf16["model.embed_tokens.weight"].astype(np.float32))
 
 
+@contextlib.contextmanager
+def edited_weight_map(model_dir):
+    """Yield the weight_map of `model_dir`'s model.safetensors.index.json for editing; written back after."""
+    index = Path(model_dir) / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    yield data["weight_map"]
+    index.write_text(json.dumps(data))
+
+
 def test_sharded_hf_dir_missing_shard(tmp_path):
     write_hf_dir(tmp_path / "m", shards=3)
     (tmp_path / "m" / "model-00002-of-00003.safetensors").unlink()
@@ -396,10 +406,8 @@ def test_sharded_hf_dir_missing_shard(tmp_path):
 
 def test_sharded_hf_dir_tensor_missing_from_the_map(tmp_path):
     write_hf_dir(tmp_path / "m", shards=2)
-    index = tmp_path / "m" / "model.safetensors.index.json"
-    data = json.loads(index.read_text())
-    del data["weight_map"]["model.layers.1.mlp.up_proj.weight"]  # still in its shard, but the map is the truth
-    index.write_text(json.dumps(data))
+    with edited_weight_map(tmp_path / "m") as wm:
+        del wm["model.layers.1.mlp.up_proj.weight"]  # still in its shard, but the map is the truth
     with pytest.raises(CorruptCheckpointError,
                        match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight' \(not in model"):
         load_checkpoint(tmp_path / "m")
@@ -407,22 +415,17 @@ def test_sharded_hf_dir_tensor_missing_from_the_map(tmp_path):
 
 def test_sharded_hf_dir_index_names_an_absent_file(tmp_path):
     write_hf_dir(tmp_path / "m", shards=2)
-    index = tmp_path / "m" / "model.safetensors.index.json"
-    data = json.loads(index.read_text())
-    data["weight_map"]["model.norm.weight"] = "model-extra.safetensors"
-    index.write_text(json.dumps(data))
+    with edited_weight_map(tmp_path / "m") as wm:
+        wm["model.norm.weight"] = "model-extra.safetensors"
     with pytest.raises(CorruptCheckpointError, match=r"shard model-extra\.safetensors is missing.*maps 1 tensors"):
         load_checkpoint(tmp_path / "m")
 
 
 def test_sharded_hf_dir_map_points_at_the_wrong_shard(tmp_path):
     write_hf_dir(tmp_path / "m", shards=2)
-    index = tmp_path / "m" / "model.safetensors.index.json"
-    data = json.loads(index.read_text())
-    wm = data["weight_map"]
-    name = next(n for n, s in wm.items() if s.startswith("model-00001"))
-    wm[name] = "model-00002-of-00002.safetensors"
-    index.write_text(json.dumps(data))
+    with edited_weight_map(tmp_path / "m") as wm:
+        name = next(n for n, s in wm.items() if s.startswith("model-00001"))
+        wm[name] = "model-00002-of-00002.safetensors"
     with pytest.raises(CorruptCheckpointError, match=rf"model-00002-of-00002\.safetensors: .*does not hold.*{name}"):
         load_checkpoint(tmp_path / "m")
 

@@ -255,14 +255,27 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array
     b, t, nh, hd = q.shape
     kvh, s = k_cache.shape[1], k_cache.shape[2]
     g = nh // kvh
-    # [B, T, KVH*G, HD] -> [B, KVH, G*T, HD]: query head kvh*G + g is the g-th head of KV head kvh
-    qm = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)
+    qm = _query_rows(q, kvh)
     scores = jnp.einsum("bkqd,bksd->bkqs", qm, k_cache, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, kvh, g, t, s) * (1.0 / math.sqrt(hd))
     scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(b, kvh, g * t, s)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v_cache, preferred_element_type=jnp.float32)
-    out = out.reshape(b, kvh, g, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, KVH, G, HD]
+    return _from_query_rows(out, q)
+
+
+def _query_rows(q: jax.Array, kvh: int) -> jax.Array:
+    """[B, T, KVH*G, HD] -> [B, KVH, G*T, HD]: query head kvh*G + g is the g-th head of KV head kvh."""
+    b, t, nh, hd = q.shape
+    g = nh // kvh
+    return q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)
+
+
+def _from_query_rows(out: jax.Array, q: jax.Array) -> jax.Array:
+    """The inverse of `_query_rows` for the attention output [B, KVH, G*T, HD] -> [B, T, NH*HD] in q's dtype."""
+    b, t, nh, hd = q.shape
+    kvh = out.shape[1]
+    out = out.reshape(b, kvh, nh // kvh, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, KVH, G, HD]
     return out.reshape(b, t, nh * hd).astype(q.dtype)
 
 
@@ -278,7 +291,7 @@ def attend_with_new(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new:
     b, t, nh, hd = q.shape
     kvh, s = k_cache.shape[1], k_cache.shape[2]
     g = nh // kvh
-    qm = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, hd)
+    qm = _query_rows(q, kvh)
     kn = jnp.swapaxes(k_new, 1, 2).astype(k_cache.dtype)  # [B, KVH, T, HD]
     vn = jnp.swapaxes(v_new, 1, 2).astype(v_cache.dtype)
     old = jnp.einsum("bkqd,bksd->bkqs", qm, k_cache, preferred_element_type=jnp.float32).reshape(b, kvh, g, t, s)
@@ -291,8 +304,7 @@ def attend_with_new(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new:
     p_new = probs[..., s:].astype(v_cache.dtype).reshape(b, kvh, g * t, t)
     out = (jnp.einsum("bkqs,bksd->bkqd", p_old, v_cache, preferred_element_type=jnp.float32)
            + jnp.einsum("bkqu,bkud->bkqd", p_new, vn, preferred_element_type=jnp.float32))
-    out = out.reshape(b, kvh, g, t, hd).transpose(0, 3, 1, 2, 4)
-    return out.reshape(b, t, nh * hd).astype(q.dtype)
+    return _from_query_rows(out, q)
 
 
 def decoder_layer(cfg: ModelConfig, w: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
