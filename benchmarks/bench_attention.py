@@ -1,0 +1,67 @@
+"""Attention formulations at small T, timed in one run: `transformer.attend` (a [G*T, HD] x [HD, S] dot per row
+and KV head) against a broadcast multiply-and-reduce (XLA loop fusions), 30 layers chained, rows at half the
+capacity, SmolLM2's head shapes (9 query heads, 3 KV heads, HD 64). Prints the best of 3 x 5 calls per shape and
+the largest output difference. Measure on a quiet machine (docs/BENCHMARKS.md, session 7).
+
+    python benchmarks/bench_attention.py
+"""
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec.models import transformer as T
+
+
+def attend_multiply_sum(q, k_cache, v_cache, mask):
+    """The same attention as `attend`, as broadcast products and sums (loop fusions instead of small dots)."""
+    b, t, nh, hd = q.shape
+    kvh, s = k_cache.shape[1], k_cache.shape[2]
+    g = nh // kvh
+    qm = q.reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4)  # [B,KVH,G,T,HD]
+    scores = jnp.sum(qm[:, :, :, :, None, :].astype(jnp.float32) * k_cache[:, :, None, None, :, :], axis=-1)  # [B,KVH,G,T,S]
+    scores = scores * (1.0 / math.sqrt(hd))
+    scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.sum(probs[..., None] * v_cache[:, :, None, None, :, :], axis=-2)  # [B,KVH,G,T,HD]
+    out = out.transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, nh * hd).astype(q.dtype)
+
+
+LAYERS = 30
+
+
+def main():
+    for b, s, t in [(64, 384, 1), (8, 512, 1), (8, 512, 4), (1, 512, 1), (1, 512, 4)]:
+        nh, kvh, hd = 9, 3, 64
+        rng = np.random.default_rng(0)
+        q = jnp.asarray(rng.standard_normal((b, t, nh, hd)), jnp.float32)
+        ks = [jnp.asarray(rng.standard_normal((b, kvh, s, hd)), jnp.float32) for _ in range(LAYERS)]
+        vs = [jnp.asarray(rng.standard_normal((b, kvh, s, hd)), jnp.float32) for _ in range(LAYERS)]
+        lengths = jnp.full((b,), s // 2, jnp.int32)
+        mask = T.attention_mask(lengths, s, jnp.broadcast_to(T.causal_mask(t), (b, t, t)))
+        def run(fn):
+            def f(q, ks, vs, mask):
+                acc = q
+                for k, v in zip(ks, vs):
+                    o = fn(acc, k, v, mask)
+                    acc = acc + 1e-3 * o.reshape(acc.shape)
+                return acc
+            return jax.jit(f)
+        fns = {"dot": run(T.attend), "multiply-sum": run(attend_multiply_sum)}
+        outs = {n: f(q, ks, vs, mask) for n, f in fns.items()}
+        err = float(jnp.max(jnp.abs(outs["dot"] - outs["multiply-sum"])))
+        res = {}
+        for rep in range(3):
+            for n, f in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    jax.block_until_ready(f(q, ks, vs, mask))
+                res.setdefault(n, []).append((time.perf_counter() - t0) / 5 * 1e3)
+        print(f"B={b} S={s} T={t}: " + ", ".join(f"{n} {min(v):.2f} ms" for n, v in res.items()), f"maxdiff {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
