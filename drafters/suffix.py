@@ -189,6 +189,7 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     kind = "tree"
     jittable = False
+    syncs_from_context = True  # update (and propose) catch up on the committed sequence: ctx is all they read
 
     def __init__(self, num_draft_tokens: int, max_match: int = 8, max_depth: int | None = 8,
                  min_score: float = 0.1, use_global: bool = True):

@@ -15,9 +15,11 @@ Inputs, both known before the target runs:
   position is observed, so a row's estimates follow its text): the conditional acceptance of position j given
   j-1 was accepted, and how often position j is drafted at all (an n-gram miss drafts nothing).
 - Exploration: after `explore_every` (8) rounds in a row that verified nothing, one round verifies at the best
-  non-zero width, so a row whose text turns copy-heavy is noticed; it costs ~(C(1) - C(0)) / C(0) /
-  explore_every of a step (~2% here). (Session 6 let unobserved counts drift back to the optimistic prior
-  instead: on open chat a third of the rounds then verified drafts accepted 11% of the time.)
+  non-zero width, so a row whose text turns copy-heavy is noticed. A verified round that accepts nothing
+  doubles that gap (up to `explore_max`, 64) and one that accepts a draft token resets it, so on text where
+  drafts keep failing (open chat) exploring costs ~(C(1) - C(0)) / C(0) / 64 of a step instead of / 8 (~4%
+  here at 8). (Session 6 let unobserved counts drift back to the optimistic prior instead: on open chat a
+  third of the rounds then verified drafts accepted 11% of the time.)
 
 Two decisions per round:
 1. `plan`, before drafting, from the history alone: if W = 0 wins, the draft is skipped (drafters whose state
@@ -74,6 +76,7 @@ class AdaptiveState:
     skipped_drafts: jax.Array  # int32 [] iterations that skipped the draft
     predicted_seconds: jax.Array  # float32 []
     quiet_rounds: jax.Array  # int32 [] consecutive iterations that verified nothing (exploration clock)
+    explore_gap: jax.Array  # int32 [] quiet iterations before the next exploring round (backs off on failures)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,7 @@ class AdaptiveWidth:
     prior: float = 1.0
     prior_weight: float = 1.0
     explore_every: int = 8  # verify (the best width > 0) after this many rounds in a row that verified nothing
+    explore_max: int = 64  # the gap doubles after each verified round that accepted nothing, up to this
     reprofile: bool = False  # measure the round costs again even if cached
     # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
     # replay a run with another machine's costs, or in tests. None: measure (cached).
@@ -110,6 +114,9 @@ class AdaptiveWidth:
             raise ValueError(f"scheduler.prior_weight must be > 0, got {self.prior_weight!r}")
         if self.explore_every < 1:
             raise ValueError(f"scheduler.explore_every must be >= 1, got {self.explore_every!r}")
+        if self.explore_max < self.explore_every:
+            raise ValueError(f"scheduler.explore_max ({self.explore_max!r}) must be >= explore_every "
+                             f"({self.explore_every!r})")
 
     # -- state -------------------------------------------------------------------------------------------
 
@@ -126,7 +133,8 @@ class AdaptiveWidth:
             force_valid=jnp.asarray(False), last_drafted_levels=jnp.zeros((batch, num_nodes), bool),
             last_drafted=jnp.asarray(False),
             width_rounds=jnp.zeros((k,), jnp.int32), skipped_drafts=jnp.zeros((), jnp.int32),
-            predicted_seconds=jnp.zeros((), jnp.float32), quiet_rounds=jnp.zeros((), jnp.int32))
+            predicted_seconds=jnp.zeros((), jnp.float32), quiet_rounds=jnp.zeros((), jnp.int32),
+            explore_gap=jnp.asarray(self.explore_every, jnp.int32))
 
     def _rate(self, num, den, prior=None):
         prior = self.prior if prior is None else prior
@@ -159,7 +167,7 @@ class AdaptiveWidth:
         w = jnp.asarray(widths)
         # a tree is verified whole or not at all (its node order is not a priority order)
         allowed = (w == 0) | (w == num_nodes) if tree else jnp.ones(w.shape, bool)
-        exploring = st.quiet_rounds >= self.explore_every  # this round must verify something
+        exploring = st.quiet_rounds >= st.explore_gap  # this round must verify something
         return allowed & ~(exploring & (w == 0))
 
     def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool) -> jax.Array:
@@ -218,7 +226,8 @@ class AdaptiveWidth:
         """Fold one verified round into each active row's history. `verified` [B, N]: the depths the target
         verified (`trees.levels_present` of the draft as verified). A count decays only when its position is
         observed (acceptance: reached; drafted rates: a round that drafted), so what a row learnt is kept while
-        it skips the draft; finished rows keep their counts."""
+        it skips the draft; finished rows keep their counts. A round that verified something sets the
+        exploration gap: back to `explore_every` if any row accepted a draft token, else doubled."""
         was_drafted = st.last_drafted_levels
         pos = jnp.arange(verified.shape[1])[None, :]
         reached = verified & (pos <= num_accepted[:, None]) & active[:, None]  # j verified and j-1 accepted
@@ -226,8 +235,10 @@ class AdaptiveWidth:
         g_seen = jnp.where(reached, self.decay, 1.0)
         did = (st.last_drafted & active)[:, None]
         g_drafted = jnp.where(did, self.decay, 1.0)
+        gap = jnp.where(jnp.any(hit), self.explore_every, jnp.minimum(2 * st.explore_gap, self.explore_max))
         return dataclasses.replace(
-            st, hits=g_seen * st.hits + hit, reached=g_seen * st.reached + reached,
+            st, explore_gap=jnp.where(jnp.any(reached), gap, st.explore_gap).astype(jnp.int32),
+            hits=g_seen * st.hits + hit, reached=g_seen * st.reached + reached,
             drafted=g_drafted * st.drafted + (did & was_drafted), drafts=g_drafted * st.drafts + did)
 
 
@@ -260,18 +271,21 @@ def default_cost_path() -> Path:
     return cache_root() / COST_FILE
 
 
-def measure_round_costs(run_forced, num_widths: int, repeats: int = 2):
+def measure_round_costs(run_forced, num_widths: int, repeats: int = 3):
     """(round_cost [K], draft_cost): seconds per loop iteration with the width forced to each bucket (k = 0:
     the draft skipped), and what drafting adds to a round (measured as: draft, then verify nothing).
     `run_forced(plan, refine)` runs the real compiled loop with the plan / refine decisions forced to those
-    bucket indices and returns seconds per iteration; the fastest of `repeats` passes counts (the first pass
-    may include compilation)."""
-    def timed(plan, refine):
-        return min(run_forced(plan, refine) for _ in range(repeats))
+    bucket indices and returns seconds per iteration.
 
-    round_cost = [timed(k, k) for k in range(num_widths)]
-    draft_round = timed(num_widths - 1, 0)
-    return [float(c) for c in round_cost], max(float(draft_round - round_cost[0]), 0.0)
+    The passes are interleaved (every width once, `repeats` times over) and the median of each width counts:
+    the cost model predicts a run's typical time, and on a shared machine the fastest of a few passes is the
+    luckiest one (taking it made every prediction 10-15% optimistic), while a slow spell during one width's
+    passes would skew that width against the others if they were not interleaved."""
+    forced = [(k, k) for k in range(num_widths)] + [(num_widths - 1, 0)]  # the last: draft, verify nothing
+    passes = [[run_forced(plan, refine) for plan, refine in forced] for _ in range(repeats)]
+    median = [float(np.median(column)) for column in zip(*passes)]
+    round_cost, draft_round = median[:num_widths], median[num_widths]
+    return round_cost, max(draft_round - round_cost[0], 0.0)
 
 
 def load_or_measure_round_costs(key: str, measure, path=None, reprofile: bool = False):

@@ -67,6 +67,10 @@ class Drafter:
     # state needs no proposal to stay right. False for drafters whose propose catches up on the committed tokens
     # (draft LMs, EAGLE-3): they draft every round, and a width-0 round verifies none of it.
     skippable: bool = True
+    # True (host-side drafters, jittable False): `update` reads only the committed context `ctx` (it catches up
+    # on every token committed since its last call), so under the adaptive width the engine may commit a run of
+    # width-0 rounds in one compiled call and then call `update` once, with result=None and taps=None.
+    syncs_from_context: bool = False
 
     def init(self, params, prompt: PromptInfo, capacity: int) -> Any:
         """Initial drafter state (a pytree) for a batch of prompts. `capacity` bounds sequence length."""

@@ -307,15 +307,33 @@ def update(spec: LoopSpec, dparams, state: LoopState, result: VerifyResult, taps
     return dataclasses.replace(state, drafter_state=dstate)
 
 
-def plain_round(spec: LoopSpec, tparams, dparams, state: LoopState, shapes) -> LoopState:
+def plain_round(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, update_drafter: bool = True) -> LoopState:
     """A round at verify width 0 whose draft is skipped, run as a plain decode step: the same commit and
     drafter update as any round (the policy samples the target's token from p at the root), but no draft and
-    no bucket switch. `shapes`: the drafter's draft, as `jax.eval_shape` of its propose gives it."""
+    no bucket switch. `shapes`: the drafter's draft, as `jax.eval_shape` of its propose gives it.
+    `update_drafter=False` (host-side drafters, whose update cannot run in a compiled loop): no update; the
+    caller updates once after a run of such rounds (`Drafter.syncs_from_context`)."""
     key, _ = jax.random.split(state.key)  # what `propose` would have used: the same stream of keys
     state = dataclasses.replace(state, key=key)
     draft, state = adaptive_refine(spec, state, empty_draft(shapes), jnp.asarray(0, jnp.int32), jnp.asarray(False))
     state, result, taps = verify_and_commit(spec, tparams, state, draft, width=0)
-    return update(spec, dparams, state, result, taps)
+    return update(spec, dparams, state, result, taps) if update_drafter else state
+
+
+def plain_rounds(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, update_drafter: bool = True):
+    """Plain decode rounds (`plain_round`) while the adaptive width would skip the draft: as cheap as AR's step
+    (no conditional around the cache), with the rows' history still updated."""
+    skip = lambda s: ~jnp.all(s.done) & (adaptive_plan(spec, s) == 0)  # noqa: E731
+    return jax.lax.while_loop(skip, lambda s: plain_round(spec, tparams, dparams, s, shapes, update_drafter), state)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def host_plain_rounds(spec: LoopSpec, tparams, state: LoopState) -> LoopState:
+    """`plain_rounds` for the host-stepped loop of a drafter with Python state: a run of width-0 rounds is one
+    compiled call instead of a host round trip (plan, propose, verify, update) per token."""
+    batch, n = state.seq.shape[0], spec.drafter.num_draft_tokens
+    shapes = Draft.chain(jnp.zeros((batch, n), jnp.int32), valid=jnp.zeros((batch, n), bool))
+    return plain_rounds(spec, tparams, None, state, shapes, update_drafter=False)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
@@ -325,12 +343,10 @@ def compiled_loop(spec: LoopSpec, tparams, dparams, state: LoopState) -> LoopSta
         state, result, taps = verify_and_commit(spec, tparams, state, draft)
         state = update(spec, dparams, state, result, taps)
         if isinstance(spec.scheduler, AdaptiveWidth) and spec.drafter.skippable:
-            # while the adaptive width would skip the draft, run plain decode steps in a loop of their own:
-            # as cheap as AR's step (no conditional around the cache), with the history still updated
+            # while the adaptive width would skip the draft, run plain decode steps in a loop of their own
             shapes = jax.eval_shape(lambda: spec.drafter.propose(dparams, state.drafter_state, _context(state),
                                                                  spec.sampling, state.key)[0])
-            skip = lambda s: ~jnp.all(s.done) & (adaptive_plan(spec, s) == 0)  # noqa: E731
-            state = jax.lax.while_loop(skip, lambda s: plain_round(spec, tparams, dparams, s, shapes), state)
+            state = plain_rounds(spec, tparams, dparams, state, shapes)
         return state
 
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
@@ -493,7 +509,19 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
         draft_s = verify_s = 0.0
         propose_fn = _jit_propose if drafter.jittable else propose
         update_fn = _jit_update if drafter.jittable else update
+        # a host-side drafter that syncs from the context skips whole runs of width-0 rounds in one call
+        bursts = (isinstance(spec.scheduler, AdaptiveWidth) and not drafter.jittable and drafter.skippable
+                  and drafter.syncs_from_context and on_round is None)
         while not bool(jnp.all(state.done)):
+            if bursts and int(_jit_plan(spec, state)) == 0:
+                ta = time.perf_counter()
+                state = host_plain_rounds(spec, target.params, state)
+                jax.block_until_ready(state)
+                tb = time.perf_counter()
+                state = update_fn(spec, drafter.params, state, None, None)  # result / taps: none for a burst
+                verify_s += tb - ta
+                draft_s += time.perf_counter() - tb
+                continue
             ta = time.perf_counter()
             draft, state = propose_fn(spec, drafter.params, state)
             jax.block_until_ready(draft)

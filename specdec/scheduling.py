@@ -231,7 +231,8 @@ def make_scheduler(cfg, target=None, max_tokens: int | None = None, log=print) -
     if cfg.kind == "adaptive":
         from specdec.adaptive import AdaptiveWidth
         return AdaptiveWidth(decay=float(cfg.decay), prior=float(cfg.prior), reprofile=bool(cfg.reprofile),
-                             cost_path=cfg.cost_path, explore_every=int(cfg.explore_every))
+                             cost_path=cfg.cost_path, explore_every=int(cfg.explore_every),
+                             explore_max=int(cfg.explore_max))
     if cfg.kind == "threshold":
         return Scheduler("threshold", threshold=float(cfg.threshold))
     if target is None or not max_tokens:

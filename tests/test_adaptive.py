@@ -110,6 +110,63 @@ def test_exploration_verifies_after_a_run_of_quiet_rounds():
     assert int(st.quiet_rounds) == 1
 
 
+def test_exploration_backs_off_while_verified_drafts_fail():
+    """Each verified round that accepts nothing doubles the quiet gap before the next exploration (up to
+    explore_max); a round that accepts a draft token resets it; width-0 rounds leave it alone."""
+    sched = AdaptiveWidth(explore_every=2, explore_max=8)
+    st = sched.init_state(2, 3, ((1.0, 1.5, 2.0), 0.1))
+    active = jnp.asarray([True, True])
+    verified = jnp.asarray([[True, True, False], [True, False, False]])
+    nothing = jnp.zeros((2, 3), bool)
+    gaps = []
+    for accepted, levels in ([0, 0], verified), ([0, 0], verified), ([0, 0], nothing), ([0, 0], verified), \
+                            ([0, 0], verified), ([0, 1], verified):
+        st = sched.observe(st, levels, jnp.asarray(accepted, jnp.int32), active)
+        gaps.append(int(st.explore_gap))
+    assert gaps == [4, 8, 8, 8, 8, 2]
+    # the gap is what the plan waits for: 3 quiet rounds do not explore at gap 4, the 4th does
+    st = dataclasses.replace(st, explore_gap=jnp.asarray(4, jnp.int32), hits=jnp.zeros((2, 3)),
+                             reached=jnp.full((2, 3), 50.0), drafted=jnp.full((2, 3), 50.0),
+                             drafts=jnp.full((2, 1), 50.0))
+    plans = []
+    for _ in range(5):
+        k = sched.plan(st, (0, 1, 3), active, tree=False)
+        plans.append(int(k))
+        _, st = sched.refine(st, Draft.chain(jnp.ones((2, 3), jnp.int32)), k, k > 0, (0, 1, 3), active,
+                             look=True, tree=False)
+    assert plans == [0, 0, 0, 0, 1]
+    with pytest.raises(ValueError, match="explore_max"):
+        AdaptiveWidth(explore_every=8, explore_max=4)
+
+
+def test_host_side_drafter_runs_width_0_rounds_in_compiled_bursts(monkeypatch):
+    """The suffix drafter (Python state) skips runs of width-0 rounds in one compiled call, then syncs from the
+    context once: the output stays AR's, and fewer host rounds run than tokens were committed."""
+    target = make_target(3)
+    ar = generate(target, PROMPTS, max_new_tokens=17)
+    drafter = create_drafter("suffix", target, 4)
+    calls = {"propose": 0, "burst": 0}
+    propose, burst = drafter.propose, engine.host_plain_rounds
+
+    def counting_propose(*a, **k):
+        calls["propose"] += 1
+        return propose(*a, **k)
+
+    def counting_burst(*a, **k):
+        calls["burst"] += 1
+        return burst(*a, **k)
+
+    monkeypatch.setattr(drafter, "propose", counting_propose)
+    monkeypatch.setattr(engine, "host_plain_rounds", counting_burst)
+    costs = ((1.0, 5.0, 5.0, 5.0), 0.0)  # verifying never pays: every round but the explorations is width 0
+    out = speculative_generate(target, drafter, PROMPTS, policy="greedy_tree", max_new_tokens=17,
+                               scheduler=AdaptiveWidth(costs=costs, explore_every=4))
+    assert out.tokens == ar.tokens
+    m = out.metrics
+    assert calls["burst"] > 0 and m.width_rounds[0] > calls["burst"]  # several width-0 rounds per call
+    assert calls["propose"] < m.width_rounds[0]
+
+
 def adaptive_drafters(target):
     return {
         "ngram": create_drafter("ngram", target, 4, max_ngram=2),  # deterministic, skippable
