@@ -18,7 +18,7 @@ the context strictly before its own anchor (original positions, not block ids) a
 block; CE against the target-generated tokens weighted exp(-j / decay), the loss mask read at the LABEL position
 and multiplied cumulatively along the block. The training forward and the inference forward are the same
 function (`block_forward`) with different anchors/visibility, which `tests/test_dflash.py` checks numerically.
-With a reduced draft vocabulary (FR-Spec, METHODS.md: the lm_head is ~20% of SmolLM2's weights and dominates a
+With a reduced draft vocabulary (FR-Spec, docs/METHODS.md: the lm_head is ~20% of SmolLM2's weights and dominates a
 block's memory traffic) the drafter proposes only the d2t ids, p_d is 0 elsewhere, and a label outside them
 adds no CE (it cannot be drafted).
 

@@ -1,4 +1,4 @@
-"""One metrics schema for every decoding run (AR and speculative), as defined in METHODS.md.
+"""One metrics schema for every decoding run (AR and speculative), as defined in docs/METHODS.md.
 
 tau (acceptance length) counts the bonus token: committed tokens / verification rounds. AR decoding is the
 special case of one token per round. Speedup is always AR time / speculative time measured in the same

@@ -69,7 +69,7 @@ def default_interpret_params() -> pltpu.InterpretParams:
 
 
 def race_check_params() -> pltpu.InterpretParams:
-    """Interpreter settings with the race detector live (FACTS.md: vector_clock_size=16 or DMA-vs-DMA races
+    """Interpreter settings with the race detector live (docs/FACTS.md: vector_clock_size=16 or DMA-vs-DMA races
     are missed). Slower; used by the tests."""
     return pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True, vector_clock_size=16,
                                  uninitialized_memory="nan")

@@ -28,7 +28,7 @@ PEAK_FLOPS = {name: chip.peak_flops for name, chip in sch.CHIPS.items()} | {"H20
 
 
 def smollm2_135m_config(dtype: str = "bfloat16") -> ModelConfig:
-    """The real SmolLM2-135M shape (FACTS.md), no weights needed."""
+    """The real SmolLM2-135M shape (docs/FACTS.md), no weights needed."""
     return ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                        num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
                        max_position_embeddings=8192, tie_word_embeddings=True, dtype=dtype,

@@ -311,7 +311,7 @@ def decoder_layer(cfg: ModelConfig, w: dict, x: jax.Array, k_cache: jax.Array, v
                   lengths: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array,
                   tree_mask: jax.Array | None = None):
     """One pre-norm decoder block. Writes the new K/V first, then attends over the updated buffer: attending
-    to the old cache and writing afterwards makes XLA copy the whole cache every step (FACTS.md).
+    to the old cache and writing afterwards makes XLA copy the whole cache every step (docs/FACTS.md).
 
     With `tree_mask` [B, T, T] the cache is only read (`attend_with_new`) and the new K/V [B, T, KVH, HD]
     come back in place of the updated caches, for the caller to write once (`write_new_rows`)."""

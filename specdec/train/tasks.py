@@ -20,7 +20,7 @@ x_j is the last committed token; the drafter's k-th token (k = 0, 1, ...) predic
 distribution it is compared with is the target's logits at position j+k. `evaluate` returns, per slot and
 step, the acceptance probability at temperature 1, alpha = sum_v min(p_d(v), p_t(v)), and whether the draft's
 argmax equals the target's. The teacher-forced expected tau of a slot is 1 + sum_k prod_{i<=k} alpha_i
-(METHODS.md); a slot counts when all k labels x_{j+1..j+k} are response tokens inside the example.
+(docs/METHODS.md); a slot counts when all k labels x_{j+1..j+k} are response tokens inside the example.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def acceptance(draft_logits: jax.Array, target_logits: jax.Array, d2t: jax.Array
 def reduced_vocab(counts, size: int, always=()):
     """The `size` most frequent target ids (ties: lower id first, which for a BPE vocabulary favours the earlier,
     more frequent merges), always including `always` (EOS), sorted: the d2t map of a reduced draft vocabulary
-    (FR-Spec; METHODS.md)."""
+    (FR-Spec; docs/METHODS.md)."""
     import numpy as np
 
     counts = np.asarray(counts)
