@@ -209,6 +209,10 @@ def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, ma
             return out
         return run
 
+    if width == 0:  # the root alone, run as AR's step runs it (position = cache length, one token's causal
+        # mask); taps padded to N + 1 positions as the drafters expect
+        out = spec.forward(tparams, spec.cfg, cache, tokens[:, :1], taps=spec.drafter.taps)
+        return out._replace(taps=pad(out.taps, 2))
     if width is not None:
         return branch(width)(cache)
     index = jnp.searchsorted(jnp.asarray(spec.verify_widths, jnp.int32), need.astype(jnp.int32))
@@ -327,6 +331,12 @@ def plain_rounds(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, upd
     return jax.lax.while_loop(skip, lambda s: plain_round(spec, tparams, dparams, s, shapes, update_drafter), state)
 
 
+def runs_bursts(spec: LoopSpec, drafter: Drafter) -> bool:
+    """Whether the host-stepped loop runs width-0 rounds in compiled bursts (`host_plain_rounds`)."""
+    return (isinstance(spec.scheduler, AdaptiveWidth) and not drafter.jittable and drafter.skippable
+            and drafter.syncs_from_context)
+
+
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def host_plain_rounds(spec: LoopSpec, tparams, state: LoopState) -> LoopState:
     """`plain_rounds` for the host-stepped loop of a drafter with Python state: a run of width-0 rounds is one
@@ -439,6 +449,10 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
         sched = scheduler.init_state(len(tokens), n, (np.ones(len(widths)), 0.0))
     if warmup:
         _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=sched)
+        if not compiled and runs_bursts(spec, drafter):  # compile the width-0 burst too (the rounds above verified)
+            forced = dataclasses.replace(sched, force_plan=jnp.asarray(0, jnp.int32),
+                                         force_refine=jnp.asarray(0, jnp.int32))
+            _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=forced)
     if adaptive:
         costs = round_costs(spec, target, drafter, tokens, lengths, capacity, compiled, policy)
         sched = scheduler.init_state(len(tokens), n, costs)
@@ -510,8 +524,7 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
         propose_fn = _jit_propose if drafter.jittable else propose
         update_fn = _jit_update if drafter.jittable else update
         # a host-side drafter that syncs from the context skips whole runs of width-0 rounds in one call
-        bursts = (isinstance(spec.scheduler, AdaptiveWidth) and not drafter.jittable and drafter.skippable
-                  and drafter.syncs_from_context and on_round is None)
+        bursts = runs_bursts(spec, drafter) and on_round is None
         while not bool(jnp.all(state.done)):
             if bursts and int(_jit_plan(spec, state)) == 0:
                 ta = time.perf_counter()
