@@ -21,6 +21,9 @@ Inputs, both known before the target runs:
   here at 8). (Session 6 let unobserved counts drift back to the optimistic prior instead: on open chat a
   third of the rounds then verified drafts accepted 11% of the time.)
 
+A width > 0 must beat width 0 by `margin` (5%): the measured costs are good to a few percent, so a
+predicted gain smaller than that is as likely a loss.
+
 Two decisions per round:
 1. `plan`, before drafting, from the history alone: if W = 0 wins, the draft is skipped (drafters whose state
    needs every proposal, `Drafter.skippable = False`, still draft, and verify nothing).
@@ -91,6 +94,9 @@ class AdaptiveWidth:
     prior_weight: float = 1.0
     explore_every: int = 8  # verify (the best width > 0) after this many rounds in a row that verified nothing
     explore_max: int = 64  # the gap doubles after each verified round that accepted nothing, up to this
+    # Verify only if the expected tokens/s beat a plain step's by this factor: the costs are measured to a few
+    # percent, so a width predicted to win by less is as likely to lose (batch 8 picked such widths and lost 6%).
+    margin: float = 0.05
     reprofile: bool = False  # measure the round costs again even if cached
     # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
     # replay a run with another machine's costs, or in tests. None: measure (cached).
@@ -110,6 +116,8 @@ class AdaptiveWidth:
             if not round_cost or any(c <= 0 for c in round_cost) or draft_cost < 0:
                 raise ValueError("adaptive costs must be ((seconds per round > 0 at each verify width, ...), "
                                  f"draft seconds >= 0), got {self.costs!r}")
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"scheduler.margin must be in [0, 1), got {self.margin!r}")
         if self.prior_weight <= 0:
             raise ValueError(f"scheduler.prior_weight must be > 0, got {self.prior_weight!r}")
         if self.explore_every < 1:
@@ -157,11 +165,12 @@ class AdaptiveWidth:
 
     # -- decisions ---------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _best(value: jax.Array, cost: jax.Array, allowed: jax.Array) -> jax.Array:
-        """argmax_k value[k] / cost[k] over allowed widths (ties: the narrower)."""
-        theta = jnp.where(allowed, value / jnp.maximum(cost, 1e-9), -jnp.inf)
-        return jnp.argmax(theta).astype(jnp.int32)
+    def _best(self, value: jax.Array, cost: jax.Array, allowed: jax.Array) -> jax.Array:
+        """argmax_k value[k] / cost[k] over allowed widths (ties: the narrower); a width > 0 (index > 0) must
+        beat width 0 by the factor 1 + margin."""
+        theta = value / jnp.maximum(cost, 1e-9)
+        theta = theta / jnp.where(jnp.arange(theta.shape[0]) > 0, 1.0 + self.margin, 1.0)
+        return jnp.argmax(jnp.where(allowed, theta, -jnp.inf)).astype(jnp.int32)
 
     def _allowed(self, st: AdaptiveState, widths, num_nodes: int, tree: bool) -> jax.Array:
         w = jnp.asarray(widths)

@@ -158,6 +158,7 @@ class SchedulerConfig:
     prior: float = 1.0  # "adaptive": the acceptance assumed of a position with no recent history
     explore_every: int = 8  # "adaptive": verify after this many rounds in a row that verified nothing
     explore_max: int = 64  # "adaptive": that gap doubles after each verified round that accepted nothing, to this
+    margin: float = 0.05  # "adaptive": verify only when the expected tokens/s beat a plain step's by this factor
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
     reprofile: bool = False  # "adaptive": measure the round costs again even if cached
 
@@ -166,6 +167,7 @@ class SchedulerConfig:
         _require(0 <= self.decay < 1, "decay", f"must be in [0, 1), got {self.decay!r}")
         _require(0 < self.prior <= 1, "prior", f"must be in (0, 1], got {self.prior!r}")
         _at_least(self, 1, "explore_every")
+        _require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin!r}")
         _require(self.explore_max >= self.explore_every, "explore_max",
                  f"must be >= explore_every ({self.explore_every}), got {self.explore_max!r}")
 

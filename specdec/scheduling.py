@@ -232,7 +232,7 @@ def make_scheduler(cfg, target=None, max_tokens: int | None = None, log=print) -
         from specdec.adaptive import AdaptiveWidth
         return AdaptiveWidth(decay=float(cfg.decay), prior=float(cfg.prior), reprofile=bool(cfg.reprofile),
                              cost_path=cfg.cost_path, explore_every=int(cfg.explore_every),
-                             explore_max=int(cfg.explore_max))
+                             explore_max=int(cfg.explore_max), margin=float(cfg.margin))
     if cfg.kind == "threshold":
         return Scheduler("threshold", threshold=float(cfg.threshold))
     if target is None or not max_tokens:

@@ -139,6 +139,18 @@ def test_exploration_backs_off_while_verified_drafts_fail():
         AdaptiveWidth(explore_every=8, explore_max=4)
 
 
+def test_a_width_must_beat_a_plain_step_by_the_margin():
+    """Position 1 always drafted and accepted with prob 0.6: width 1 yields 1.6 tokens for cost 1.55, i.e. 3%
+    more tokens/s than a plain step (1 token, cost 1.0). Without a margin it is chosen; with 5% it is not."""
+    widths = (0, 1)
+    for margin, expected in ((0.0, 1), (0.05, 0)):
+        sched = AdaptiveWidth(margin=margin, prior_weight=1e-6)
+        st = state_with(sched, [[60.0]], [[100.0]], [[100.0]], [[100.0]], ((1.0, 1.55), 0.0))
+        assert int(sched.plan(st, widths, jnp.asarray([True]), tree=False)) == expected, margin
+    with pytest.raises(ValueError, match="margin"):
+        AdaptiveWidth(margin=1.0)
+
+
 def test_host_side_drafter_runs_width_0_rounds_in_compiled_bursts(monkeypatch):
     """The suffix drafter (Python state) skips runs of width-0 rounds in one compiled call, then syncs from the
     context once: the output stays AR's, and fewer host rounds run than tokens were committed."""
