@@ -242,6 +242,7 @@ def test_export_command_warns_what_the_format_drops(tmp_path, exports, target, m
     assert "warning: not carried by the sglang format: `conf_temperature`" in err
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DSparkDraftModel"] and config["markov_rank"] == 8
+    assert "`embed_tokens` / `lm_head`: the target's, written out" in (out / "README.md").read_text()
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])

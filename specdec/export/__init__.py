@@ -102,7 +102,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str,
     tokenizer_files = write_tokenizer(target, out, model_name)
     meta = {"format": fmt, "drafter": kind, "config": info["config"], "source": str(run.absolute()),
             "step": info["step"], "target": info["target"] or ckpt.target_info(target),
-            "num_draft_tokens": int(k), "not_carried": notes,
+            "num_draft_tokens": int(k), "not_carried": notes, "own_embedding": "embed_tokens.weight" in tensors,
             # what the peer format drops but a re-import into specdec should keep (DSpark's calibration)
             "buffers": {name: np.asarray(v).tolist() for name, v in info["buffers"].items()
                         if name.startswith("conf_temperature")}}
@@ -196,7 +196,9 @@ def model_card(run: Path, run_cfg: dict, meta: dict, config: dict, target, token
                   "--speculative-draft-model-path <this dir> --speculative-num-steps "
                   f"{meta['num_draft_tokens']} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
                   f"{meta['num_draft_tokens'] + 1}", "```"]
-    lines += ["", "No `embed_tokens`: the engine shares the target's embedding, as specdec's drafter does.",
+    lines += ["", "`embed_tokens` / `lm_head`: the target's, written out because SGLang's DSpark model owns them "
+              "(specdec's drafter shares the target's)." if meta["own_embedding"] else
+              "No `embed_tokens`: the engine shares the target's embedding, as specdec's drafter does.",
               "Tokenizer files: " + (", ".join(tokenizer_files) if tokenizer_files else
                                      "none (the target has no tokenizer)") + "."]
     return "\n".join(lines) + "\n"
