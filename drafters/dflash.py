@@ -9,9 +9,13 @@ Network (pure JAX; the draft layers have the target's widths and use its layer c
             inside the block, over the context only at positions strictly before the anchor
     logits  = lm_head(RMSNorm(x))                 the frozen target lm_head (optionally only its columns of
                                                   the N most frequent response tokens: `draft_vocab_size`)
-Layout ("anchor predicts next", the one convention of `specdec.train.tasks`): slot j of a block anchored at
-position a predicts token a + j + 1, so a block of g slots gives g drafts and, with the anchor (the engine's
-root), g + 1 verified tokens.
+Layout (`block_layout`, fixed at training): "specdec" (the default; "anchor predicts next", the one convention of
+`specdec.train.tasks`): slot j of a block anchored at position a predicts token a + j + 1, so a block of g slots
+gives g drafts and, with the anchor (the engine's root), g + 1 verified tokens. "peer" (the layout of z-lab DFlash,
+vLLM's DFlash proposer and the `sample_from_anchor: false` drafters of speculators / SGLang, which the export to
+them needs): slot j >= 1 predicts the token at its own position a + j and the anchor slot's output is unused, so a
+block gives g - 1 drafts. Both are one rule in draft terms: draft i (the hidden of slot i + `first_slot`) predicts
+a + i + 1 with previous token x_{a+i}, so labels, weights and the heads below read `drafts` slots either way.
 
 Training (`DFlashTask`, the shared loop): N anchors per sequence sampled inside the response; every block sees
 the context strictly before its own anchor (original positions, not block ids) and its own slots, never another
@@ -52,6 +56,7 @@ from specdec.verify import Draft
 
 NAME = "dflash"
 MASK_TOKEN_NAME = "<empty_output>"  # SmolLM2: id 16, never produced in chat data
+LAYOUTS = ("specdec", "peer")
 
 
 def default_taps(num_layers: int, count: int = 5) -> tuple[int, ...]:
@@ -77,11 +82,20 @@ class BlockArch:
     mask_id: int
     markov_rank: int = 0  # DSpark's low-rank Markov head (0: none, plain DFlash)
     draft_vocab: int = 0  # N > 0: draft only the N most frequent response tokens (the `d2t` buffer)
+    layout: str = "specdec"  # "peer": [anchor, MASK...] with slot j >= 1 predicting a + j (module docstring)
+    qk_norm: bool | None = None  # per-head q/k RMSNorm in the draft layers (None: as the target's layers)
 
     @classmethod
     def build(cls, target_cfg: ModelConfig, *, num_layers: int = 2, taps=None, block_size: int = 7,
               mask_token_id: int = -1, intermediate_size: int | None = None, markov_rank: int = 0,
-              draft_vocab_size: int = 0) -> BlockArch:
+              draft_vocab_size: int = 0, block_layout: str = "specdec", qk_norm: bool | None = None) -> BlockArch:
+        if block_layout not in LAYOUTS:
+            raise ValueError(f"block_layout must be one of {', '.join(LAYOUTS)}, got {block_layout!r}")
+        if block_layout == "peer" and block_size < 2:
+            raise ValueError(f"block_layout 'peer' drafts block_size - 1 tokens per block (the anchor slot drafts "
+                             f"none), so it needs block_size >= 2, got {block_size}")
+        if qk_norm is not None and not isinstance(qk_norm, bool):
+            raise ValueError(f"qk_norm must be true, false or null (as the target), got {qk_norm!r}")
         taps = tuple(int(t) for t in taps) if taps else default_taps(target_cfg.num_layers)
         bad = [t for t in taps if not 0 <= t <= target_cfg.num_layers]
         if bad:
@@ -94,15 +108,34 @@ class BlockArch:
             raise ValueError(f"draft_vocab_size must be in [0, {target_cfg.vocab_size}] (0: the full vocabulary), "
                              f"got {draft_vocab_size}")
         cfg = target_cfg.replace(num_layers=int(num_layers), dtype="float32", name=f"block[{target_cfg.name}]",
-                                 intermediate_size=int(intermediate_size or target_cfg.intermediate_size))
+                                 intermediate_size=int(intermediate_size or target_cfg.intermediate_size),
+                                 qk_norm=target_cfg.qk_norm if qk_norm is None else qk_norm)
         vocab = 0 if draft_vocab_size in (0, target_cfg.vocab_size) else int(draft_vocab_size)
         return cls(cfg=cfg, taps=taps, block_size=int(block_size), mask_id=int(mask_token_id),
-                   markov_rank=int(markov_rank), draft_vocab=vocab)
+                   markov_rank=int(markov_rank), draft_vocab=vocab, layout=block_layout, qk_norm=qk_norm)
+
+    @property
+    def first_slot(self) -> int:
+        """The block slot whose output is draft 0 (the anchor's own slot in the specdec layout, the next one in
+        the peer layout)."""
+        return 1 if self.layout == "peer" else 0
+
+    @property
+    def drafts(self) -> int:
+        """Drafts (predictions) per block: g, or g - 1 in the peer layout."""
+        return self.block_size - self.first_slot
 
     def to_config(self) -> dict:
-        return {"num_layers": self.cfg.num_layers, "taps": list(self.taps), "block_size": self.block_size,
-                "mask_token_id": self.mask_id, "intermediate_size": self.cfg.intermediate_size,
-                "draft_vocab_size": self.draft_vocab}
+        config = {"num_layers": self.cfg.num_layers, "taps": list(self.taps), "block_size": self.block_size,
+                  "mask_token_id": self.mask_id, "intermediate_size": self.cfg.intermediate_size,
+                  "draft_vocab_size": self.draft_vocab}
+        # Written only when not the default, so the drafter.json of a default drafter stays as it was (a
+        # continued run, train.init_from, compares these configs key by key).
+        if self.layout != "specdec":
+            config["block_layout"] = self.layout
+        if self.qk_norm is not None:
+            config["qk_norm"] = self.qk_norm
+        return config
 
 
 def target_head(target) -> jax.Array:
@@ -300,7 +333,7 @@ class DFlashTask:
 
     @property
     def max_eval_steps(self) -> int:
-        return self.arch.block_size
+        return self.arch.drafts
 
     def config(self) -> dict:
         return {**self.arch.to_config(), "num_anchors": self.num_anchors, "position_decay": self.position_decay}
@@ -337,7 +370,8 @@ class DFlashTask:
 
     # -- shared machinery ---------------------------------------------------------------------------------
     def forward(self, params, consts, tokens, taps, anchors):
-        """Hidden [B, N, G, H] and teacher-forced previous tokens [B, N, G] for blocks at `anchors` [B, N]."""
+        """Hidden [B, N, D, H] and teacher-forced previous tokens [B, N, D] of the D = `arch.drafts` drafts of
+        blocks at `anchors` [B, N] (draft i predicts x_{a+i+1})."""
         p = params["backbone"]
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -345,32 +379,34 @@ class DFlashTask:
         ctx_kv = [(_as_cache(k), _as_cache(v)) for k, v in context_kv(self.arch, p, ctx, positions)]
         block, pos, prev = block_inputs(self.arch, tokens, anchors)
         ctx_ok = jnp.arange(t)[None, None, :] < anchors[..., None]  # strictly before the anchor
-        return block_forward(self.arch, p, consts["embed"], block, pos, ctx_kv, ctx_ok), prev
+        hidden = block_forward(self.arch, p, consts["embed"], block, pos, ctx_kv, ctx_ok)
+        a = self.arch
+        return hidden[..., a.first_slot:, :], prev[..., :a.drafts]  # draft i: slot i + first_slot, prev x_{a+i}
 
     def _weights(self, ok):
-        g = self.arch.block_size
+        g = self.arch.drafts
         return ok.astype(jnp.float32) * jnp.exp(-jnp.arange(g, dtype=jnp.float32) / self.position_decay)
 
     def _target_at(self, feats, anchors):
-        """Target logits at positions anchor + j ([B, N, G, V]: the distribution of label j), or None."""
+        """Target logits at positions anchor + j ([B, N, D, V]: the distribution of label j), or None."""
         if feats.logits is None:
             return None
         t = feats.logits.shape[1]
-        idx = jnp.clip(anchors[..., None] + jnp.arange(self.arch.block_size), 0, t - 1)
+        idx = jnp.clip(anchors[..., None] + jnp.arange(self.arch.drafts), 0, t - 1)
         b, n, g = idx.shape
         out = jnp.take_along_axis(feats.logits, idx.reshape(b, n * g)[..., None], axis=1)
         return out.reshape(b, n, g, -1)
 
     def loss(self, params, consts, batch, feats, key):
         anchors, anchor_ok = sample_anchors(batch, self.num_anchors, key)
-        labels, ok = block_labels(batch, anchors, anchor_ok, self.arch.block_size)
+        labels, ok = block_labels(batch, anchors, anchor_ok, self.arch.drafts)
         hidden, prev = self.forward(params, consts, batch["tokens"], feats.taps, anchors)
         per_slot, parts = self.slot_loss(params, consts, hidden, prev, labels, self._target_at(feats, anchors))
         w = self._weights(ok)
         loss = jnp.sum(per_slot * w) / jnp.maximum(jnp.sum(w), 1e-6)
         metrics = {k: T.masked_mean(v, ok) for k, v in parts.items()}
         metrics["anchors"] = jnp.mean(jnp.sum(anchor_ok, axis=1).astype(jnp.float32))
-        for j in range(min(self.arch.block_size, 4)):
+        for j in range(min(self.arch.drafts, 4)):
             metrics[f"acc_slot{j}"] = T.masked_mean(parts["acc"][..., j], ok[..., j])
         return loss, metrics
 
@@ -386,7 +422,7 @@ class DFlashTask:
         def one(anchors):
             real = jnp.broadcast_to(anchors < t, (b, chunk))  # the last chunk is padded past the end
             anchors = jnp.broadcast_to(jnp.minimum(anchors, t - 1), (b, chunk))
-            labels, ok = block_labels(batch, anchors, real, self.arch.block_size)
+            labels, ok = block_labels(batch, anchors, real, self.arch.drafts)
             hidden, prev = self.forward(params, consts, tokens, feats.taps, anchors)
             tl = self._target_at(feats, anchors)
             per_slot, _ = self.slot_loss(params, consts, hidden, prev, labels, tl)
@@ -402,23 +438,25 @@ class DFlashTask:
 
 
 def build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size, markov_rank=0,
-               draft_vocab_size=0) -> BlockArch:
+               draft_vocab_size=0, block_layout="specdec", qk_norm=None) -> BlockArch:
     """The BlockArch of the task options (mask_token_id < 0: `default_mask_id`)."""
     mask_id = default_mask_id(target) if mask_token_id is None or mask_token_id < 0 else int(mask_token_id)
     return BlockArch.build(target.cfg, num_layers=num_layers, taps=taps, block_size=block_size,
                            mask_token_id=mask_id, intermediate_size=intermediate_size, markov_rank=markov_rank,
-                           draft_vocab_size=draft_vocab_size)
+                           draft_vocab_size=draft_vocab_size, block_layout=block_layout, qk_norm=qk_norm)
 
 
 @T.register_task(NAME)
 def make_task(target, num_layers: int = 2, taps: list | None = None, block_size: int = 7,
               mask_token_id: int = -1, intermediate_size: int | None = None, num_anchors: int = 16,
-              position_decay: float = 4.0, draft_vocab_size: int = 0) -> DFlashTask:
+              position_decay: float = 4.0, draft_vocab_size: int = 0, block_layout: str = "specdec",
+              qk_norm: bool | None = None) -> DFlashTask:
+    """`block_layout: peer` and `qk_norm: true` train the drafter vLLM / SGLang can run (docs/EXPORT.md)."""
     if num_anchors < 1 or position_decay <= 0:
         raise ValueError(f"dflash: num_anchors must be >= 1 and position_decay > 0, got {num_anchors}, "
                          f"{position_decay}")
     arch = build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size,
-                      draft_vocab_size=draft_vocab_size)
+                      draft_vocab_size=draft_vocab_size, block_layout=block_layout, qk_norm=qk_norm)
     return DFlashTask(arch=arch, num_anchors=int(num_anchors), position_decay=float(position_decay), target=target)
 
 
@@ -434,16 +472,18 @@ class BlockState:
 
 
 class DFlashDrafter(Drafter):
-    """Drafts the first `num_draft_tokens` (<= block_size) slots of one block per round."""
+    """Drafts the first `num_draft_tokens` (<= `arch.drafts`) drafts of one block per round."""
 
     kind = "chain"
     jittable = True
     has_confidence = True
 
     def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME):
-        if not 1 <= num_draft_tokens <= arch.block_size:
-            raise ValueError(f"{name}: num_draft_tokens must be in [1, block_size={arch.block_size}] (the "
-                             f"block it was trained with), got {num_draft_tokens}")
+        if not 1 <= num_draft_tokens <= arch.drafts:
+            why = f"block_size={arch.block_size}" if arch.layout == "specdec" else \
+                f"block_size - 1 = {arch.drafts}: the peer layout's anchor slot drafts nothing"
+            raise ValueError(f"{name}: num_draft_tokens must be in [1, {why}] (the block it was trained with), "
+                             f"got {num_draft_tokens}")
         self.arch, self.num_draft_tokens, self.name = arch, int(num_draft_tokens), name
         self.taps = arch.taps
         # {"params": trained weights, "embed": target embedding, "head": [H, Vd], buffers (d2t: int32 [Vd])}
@@ -480,7 +520,8 @@ class DFlashDrafter(Drafter):
                           confidence=jnp.ones((b, self.num_draft_tokens), jnp.float32))
 
     def block(self, params, state: BlockState, ctx: RoundContext):
-        """The block forward at each row's root: normed hidden [B, G, H] of slots predicting root_pos + j + 1."""
+        """The block forward at each row's root: normed hidden [B, D, H] of the drafts (draft i predicts
+        root_pos + i + 1)."""
         cache = state.cache
         b = cache.lengths.shape[0]
         root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)  # [B, 1]
@@ -489,10 +530,10 @@ class DFlashDrafter(Drafter):
         ctx_kv = list(zip(cache.k, cache.v))
         ctx_ok = (jnp.arange(cache.capacity)[None, :] < cache.lengths[:, None])[:, None, :]
         h = block_forward(self.arch, params["params"]["backbone"], params["embed"], block, pos, ctx_kv, ctx_ok)
-        return h[:, 0], root[:, 0]
+        return h[:, 0, self.arch.first_slot:], root[:, 0]
 
     def head_logits(self, params, hidden):
-        """The block's own logits U [B, G, V] (parallel, before any sequential head)."""
+        """The block's own logits U [B, D, V] (parallel, before any sequential head)."""
         return jnp.einsum("bgh,hv->bgv", hidden, params["head"], preferred_element_type=jnp.float32)
 
     def draw(self, params, hidden, root, sampling, key):
@@ -527,8 +568,11 @@ class DFlashDrafter(Drafter):
         return dataclasses.replace(state, cache=cache.with_lengths(ctx.seq_len - 1))
 
     def describe(self):
-        return {**super().describe(), "taps": list(self.taps), "block_size": self.arch.block_size,
-                "draft_layers": self.arch.cfg.num_layers, "draft_vocab": self.arch.draft_vocab or "full"}
+        out = {**super().describe(), "taps": list(self.taps), "block_size": self.arch.block_size,
+               "draft_layers": self.arch.cfg.num_layers, "draft_vocab": self.arch.draft_vocab or "full"}
+        if self.arch.layout != "specdec":  # only then: a default drafter's description (a cache key) is unchanged
+            out["block_layout"] = self.arch.layout
+        return out
 
 
 def arch_from_checkpoint(target, config: dict) -> BlockArch:
@@ -536,7 +580,8 @@ def arch_from_checkpoint(target, config: dict) -> BlockArch:
                            block_size=config["block_size"], mask_token_id=config["mask_token_id"],
                            intermediate_size=config.get("intermediate_size"),
                            markov_rank=config.get("markov_rank", 0),
-                           draft_vocab_size=config.get("draft_vocab_size", 0))
+                           draft_vocab_size=config.get("draft_vocab_size", 0),
+                           block_layout=config.get("block_layout", "specdec"), qk_norm=config.get("qk_norm"))
 
 
 @register(NAME)

@@ -3,7 +3,8 @@ head, so drafts are sampled position by position with exact draft probabilities 
 with an estimate of how likely the target is to accept it (used by `specdec.scheduling` to decide, per request
 and under load, how many draft tokens to verify).
 
-Heads on top of the backbone's normed hidden h_j of slot j (slot j predicts x_{a+j+1}; x_a is the anchor):
+Heads on top of the backbone's normed hidden h_j of draft j (draft j predicts x_{a+j+1}; x_a is the anchor; draft
+j is block slot j, or slot j + 1 in the peer `block_layout`, dflash.py):
     e_j     = W1[x_{a+j}]                               the previous token's rank-r embedding (x_a: the anchor)
     logits_j = U_j + W2 e_j                             U_j = lm_head(h_j), the DFlash logits; W2 [r, V]
     c_j     = sigmoid((w . [h_j ; e_j] + b) / tau_j)    confidence; tau_j from calibration (1 before it)
@@ -97,10 +98,10 @@ def sequential_temperatures(z: np.ndarray, alpha: np.ndarray, grid=TEMPERATURE_G
     return temps
 
 
-def confidence_temperatures(params: dict, sampling, block_size: int) -> jax.Array:
+def confidence_temperatures(params: dict, sampling, drafts: int) -> jax.Array:
     """The per-slot confidence temperatures calibrated for `sampling`: the greedy fit at temperature 0, the
     temperature-1 fit otherwise (a checkpoint calibrated before the greedy fit existed: its one fit; none: 1)."""
-    sampled = params.get("conf_temperature", jnp.ones((block_size,), jnp.float32))
+    sampled = params.get("conf_temperature", jnp.ones((drafts,), jnp.float32))
     return params.get("conf_temperature_greedy", sampled) if sampling.greedy else sampled
 
 
@@ -123,8 +124,8 @@ class DSparkTask(DFlashTask):
     def init(self, key, token_counts: np.ndarray):
         k_backbone, k_heads = jax.random.split(key)
         params, buffers = super().init(k_backbone, token_counts)
-        buffers["conf_temperature"] = jnp.ones((self.arch.block_size,), jnp.float32)
-        buffers["conf_temperature_greedy"] = jnp.ones((self.arch.block_size,), jnp.float32)
+        buffers["conf_temperature"] = jnp.ones((self.arch.drafts,), jnp.float32)
+        buffers["conf_temperature_greedy"] = jnp.ones((self.arch.drafts,), jnp.float32)
         return {**params, **init_heads(self.arch, k_heads)}, buffers
 
     def slot_logits(self, params, consts, hidden, prev):
@@ -154,7 +155,7 @@ class DSparkTask(DFlashTask):
         """Confidence logits z, teacher-forced alpha (temperature-1 acceptance), argmax agreement (greedy
         acceptance) and validity [B, N, G] at a fixed set of anchors."""
         anchors, anchor_ok = dflash.sample_anchors(batch, self.calibration_anchors, jax.random.PRNGKey(0))
-        _, ok = dflash.block_labels(batch, anchors, anchor_ok, self.arch.block_size)
+        _, ok = dflash.block_labels(batch, anchors, anchor_ok, self.arch.drafts)
         hidden, prev = self.forward(params, consts, batch["tokens"], feats.taps, anchors)
         bias, e = markov_bias(params, prev, consts.get("d2t"))
         logits = super().slot_logits(params, consts, hidden, prev) + bias
@@ -174,7 +175,7 @@ class DSparkTask(DFlashTask):
             matches.append(np.asarray(match)[full])
         z, alpha, match = np.concatenate(zs), np.concatenate(alphas), np.concatenate(matches)
         if len(z) == 0:
-            ones = jnp.ones((self.arch.block_size,), jnp.float32)
+            ones = jnp.ones((self.arch.drafts,), jnp.float32)
             return {"conf_temperature": ones, "conf_temperature_greedy": ones}
         return {"conf_temperature": jnp.asarray(sequential_temperatures(z, alpha), jnp.float32),
                 "conf_temperature_greedy": jnp.asarray(sequential_temperatures(z, match), jnp.float32)}
@@ -184,14 +185,16 @@ class DSparkTask(DFlashTask):
 def make_task(target, num_layers: int = 2, taps: list | None = None, block_size: int = 7,
               mask_token_id: int = -1, intermediate_size: int | None = None, num_anchors: int = 16,
               position_decay: float = 4.0, markov_rank: int = 64, ce_weight: float = 0.1, l1_weight: float = 0.9,
-              bce_weight: float = 1.0, draft_vocab_size: int = 0) -> DSparkTask:
+              bce_weight: float = 1.0, draft_vocab_size: int = 0, block_layout: str = "specdec",
+              qk_norm: bool | None = None) -> DSparkTask:
+    """`block_layout: peer` and `qk_norm: true` train the drafter vLLM / SGLang can run (docs/EXPORT.md)."""
     if markov_rank < 1:
         raise ValueError(f"dspark: markov_rank must be >= 1 (use dflash for no Markov head), got {markov_rank}")
     if num_anchors < 1 or position_decay <= 0:
         raise ValueError(f"dspark: num_anchors must be >= 1 and position_decay > 0, got {num_anchors}, "
                          f"{position_decay}")
     arch = dflash.build_arch(target, num_layers, taps, block_size, mask_token_id, intermediate_size, markov_rank,
-                             draft_vocab_size)
+                             draft_vocab_size, block_layout, qk_norm)
     return DSparkTask(arch=arch, num_anchors=int(num_anchors), position_decay=float(position_decay),
                       ce_weight=float(ce_weight), l1_weight=float(l1_weight), bce_weight=float(bce_weight),
                       target=target)
@@ -216,7 +219,7 @@ class DSparkDrafter(DFlashDrafter):
         d2t, vocab = params.get("d2t"), self.arch.cfg.vocab_size
         heads = params["params"]
         u = self.head_logits(params, hidden)[:, :k]  # [B, k, Vd]
-        temps = confidence_temperatures(params, sampling, self.arch.block_size)[:k]
+        temps = confidence_temperatures(params, sampling, self.arch.drafts)[:k]
         keys = jax.random.split(key, k)
 
         def step(prev, inp):

@@ -130,6 +130,8 @@ def cmd_export(args) -> int:
     out = export_run(run, args.out_dir, args.format, target, model_name=model.name,
                      num_draft_tokens=args.num_draft_tokens, overwrite=args.overwrite)
     print(f"exported {run} for {args.format} -> {out}")
+    for note in json.loads((out / "specdec_export.json").read_text())["not_carried"]:
+        print(f"warning: not carried by the {args.format} format: {note}", file=sys.stderr)
     if run_cfg is not None:  # the export becomes an artifact of the training run's own W&B run
         from experiments.tracking import make_tracker
 
@@ -328,14 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("export", help="export a trained drafter for vLLM or SGLang (config.json + safetensors)",
-                       description="Write the trained EAGLE-3 drafter of RUN_DIR into OUT_DIR in the layout vLLM "
-                                   "(speculators) or SGLang (SpecForge) loads; see docs/EXPORT.md.")
+                       description="Write the trained EAGLE-3, DFlash or DSpark drafter of RUN_DIR into OUT_DIR in "
+                                   "the layout vLLM (speculators) or SGLang loads; see docs/EXPORT.md.")
     e.add_argument("run_dir", help="training run directory (output.dir/output.name)")
     e.add_argument("--format", required=True, choices=["vllm", "sglang"])
     e.add_argument("out_dir", help="directory to write (must be empty unless --overwrite)")
     e.add_argument("--model", default=None, help="the target (default: model.name of the run's config.yaml)")
     e.add_argument("-k", "--num-draft-tokens", type=int, default=None,
-                   help="speculative tokens written into the vLLM config (default: the run's drafter.num_draft_tokens)")
+                   help="speculative tokens written into the vLLM config (default: EAGLE-3: the run's "
+                        "drafter.num_draft_tokens; DFlash / DSpark: block_size - 1)")
     e.add_argument("--overwrite", action="store_true")
     e.set_defaults(func=cmd_export)
 

@@ -223,3 +223,84 @@ def test_bad_input(target, setup):
         dflash.make_task(target, mask_token_id=10_000)
     with pytest.raises(ValueError, match="draft_vocab_size must be in"):
         dflash.make_task(target, draft_vocab_size=10_000)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The peer block layout (block_layout: peer): slot j >= 1 predicts the token at its own position a + j
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def peer(target, setup):
+    """The setup's weights (the layout changes no shape) as a peer-layout drafter: G - 1 drafts per block."""
+    _, params, consts, _ = setup
+    task = dflash.make_task(target, num_layers=2, block_size=G, taps=[1, 2], num_anchors=8, block_layout="peer")
+    drafter = dflash.DFlashDrafter.from_trained(task.arch, params, {}, target, G - 1)
+    return task, params, consts, drafter
+
+
+def test_peer_layout_drafts_from_the_slots_after_the_anchor(target, setup, peer):
+    """The same block forward read one slot later: peer draft i is block slot i + 1 (the mask at a + i + 1,
+    predicting the token there: its label is x_{a+i+1}), specdec's draft i is slot i (predicting the next
+    token); the anchor slot drafts nothing. And the engine-side block at a row's root equals the training
+    forward at that anchor, in the peer layout too."""
+    task, params, consts, drafter = peer
+    spec_task = setup[0]
+    rng = np.random.default_rng(5)
+    seqs = rng.integers(3, 250, size=(2, 20)).astype(np.int32)
+    anchors = jnp.asarray([[4, 9], [6, 12]], jnp.int32)
+    f = online_features(target.params, target.cfg, target.forward, jnp.asarray(seqs), task.taps, False)
+    h_peer, prev_peer = jax.jit(task.forward)(params, consts, jnp.asarray(seqs), f.taps, anchors)
+    h_spec, prev_spec = jax.jit(spec_task.forward)(params, consts, jnp.asarray(seqs), f.taps, anchors)
+    assert h_peer.shape[2] == G - 1 and h_spec.shape[2] == G
+    np.testing.assert_allclose(h_peer, h_spec[:, :, 1:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(prev_peer, prev_spec[:, :, :G - 1])  # draft i's previous token: x_{a+i}
+    batch = {"tokens": jnp.asarray(seqs), "loss_mask": jnp.ones((2, 20), jnp.int8), "lengths": jnp.asarray([20, 20])}
+    labels, _ = dflash.block_labels(batch, anchors, jnp.ones((2, 2), bool), task.arch.drafts)
+    a = np.asarray(anchors)
+    np.testing.assert_array_equal(labels, seqs[np.arange(2)[:, None, None], a[..., None] + 1 + np.arange(G - 1)])
+
+    # inference at the root (ragged prompts) == training at the same anchor
+    prompt_lens = np.array([7, 4])
+    toks = np.zeros((2, 7), np.int32)
+    for i, p in enumerate(prompt_lens):
+        toks[i, :p] = seqs[i, :p]
+    _, taps, _ = prefill(target.params, target.init_cache(2, 64), jnp.asarray(toks), jnp.asarray(prompt_lens),
+                         forward=target.forward, cfg=target.cfg, taps=task.taps)
+    prompt = PromptInfo(jnp.asarray(toks), jnp.asarray(prompt_lens), taps, jnp.asarray(seqs[np.arange(2), prompt_lens]))
+    state = jax.jit(drafter.init, static_argnums=2)(drafter.params, prompt, 64)
+    ctx = RoundContext(seq=jnp.asarray(seqs), seq_len=jnp.asarray(prompt_lens + 1), done=jnp.zeros(2, bool))
+    hidden, _ = jax.jit(drafter.block)(drafter.params, state, ctx)
+    np.testing.assert_allclose(drafter.head_logits(drafter.params, hidden),
+                               train_logits(task, params, consts, target, seqs, prompt_lens[:, None])[:, 0],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_peer_layout_greedy_speculative_equals_ar(target, peer):
+    drafter = peer[3]
+    ar = generate(target, PROMPTS, max_new_tokens=13)
+    out = speculative_generate(target, drafter, PROMPTS, policy="greedy_chain", max_new_tokens=13)
+    assert out.tokens == ar.tokens
+    assert out.metrics.proposed_draft_tokens == (G - 1) * out.metrics.rounds
+
+
+def test_peer_layout_options_and_errors(target, setup, peer):
+    task, _, _, drafter = peer
+    assert task.config()["block_layout"] == "peer" and task.max_eval_steps == G - 1
+    assert drafter.describe()["block_layout"] == "peer"
+    # a default drafter's config and description are what they were before the option (train.init_from compares
+    # configs key by key; the adaptive profiles key on the description)
+    assert "block_layout" not in setup[0].config() and "qk_norm" not in setup[0].config()
+    assert "block_layout" not in setup[3].describe()
+    with pytest.raises(ValueError, match="the peer layout's anchor slot drafts nothing"):
+        dflash.DFlashDrafter(task.arch, drafter.params, G)
+    with pytest.raises(ValueError, match="needs block_size >= 2"):
+        dflash.make_task(target, block_size=1, block_layout="peer")
+    with pytest.raises(ValueError, match="block_layout must be one of specdec, peer"):
+        dflash.make_task(target, block_layout="zlab")
+    with pytest.raises(ValueError, match="qk_norm must be true, false or null"):
+        dflash.make_task(target, qk_norm="yes")
+    qk = dflash.make_task(target, num_layers=1, block_size=G, taps=[1], qk_norm=True)
+    params, _ = qk.init(jax.random.PRNGKey(0), None)
+    assert params["backbone"]["layers"]["q_norm"].shape == (1, target.cfg.head_dim)
+    assert qk.config()["qk_norm"] is True
+    assert dflash.arch_from_checkpoint(target, qk.config()) == qk.arch

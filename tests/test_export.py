@@ -294,7 +294,7 @@ def test_imports_refuse_what_specdec_cannot_run(tmp_path, exports, target):
     with pytest.raises(ckpt.CheckpointError, match="num_heads=4"):
         create_drafter(None, wide, K, path=str(src))
     (tmp_path / "none").mkdir()
-    with pytest.raises(ckpt.CheckpointError, match="no drafter.json and no EAGLE-3 config.json"):
+    with pytest.raises(ckpt.CheckpointError, match="no drafter.json and no EAGLE-3 / DFlash / DSpark config.json"):
         create_drafter(None, target, K, path=str(tmp_path / "none"))
 
 

@@ -2,14 +2,15 @@
 
     specdec export <run dir> --format vllm|sglang <out dir>
 
-writes into <out dir>:
-    config.json            the engine's config (speculators `eagle3` for vLLM, `LlamaForCausalLMEagle3` for SGLang)
+for EAGLE-3 (specdec/export/eagle3.py) and DFlash / DSpark (specdec/export/block.py) writes into <out dir>:
+    config.json            the engine's config (speculators `eagle3` / `dflash` / `dspark` for vLLM;
+                           `LlamaForCausalLMEagle3` / `DFlashDraftModel` / `DSparkDraftModel` for SGLang)
     model.safetensors      the weights under the engine's names (written with the `safetensors` library)
     tokenizer.json, tokenizer_config.json   the target's tokenizer (when the target has one)
     README.md              model card: target, data, steps, held-out acceptance
     specdec_export.json    what specdec needs to load it back (format, source run, step, target shape)
 
-`load_export(path)` reads such a directory, or any EAGLE-3 checkpoint in those layouts (sharded ones through
+`load_export(path)` reads such a directory, or any such peer checkpoint in those layouts (sharded ones through
 model.safetensors.index.json), as `specdec.train.checkpoint.load_drafter` does a run directory, so
 `drafter.path=<export dir>` and `specdec generate --drafter <export dir>` work.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec.export import block as B
 from specdec.export import eagle3 as E
 from specdec.export.eagle3 import FORMATS, NotRepresentable  # noqa: F401  (re-exported)
 from specdec.train import checkpoint as ckpt
@@ -30,7 +32,7 @@ from specdec.train import checkpoint as ckpt
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "specdec_export.json"
-EXPORTABLE = ("eagle3",)
+EXPORTABLE = ("eagle3", *B.KINDS)
 
 
 def verifier_of(target, model_name: str | None = None) -> dict:
@@ -61,20 +63,31 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str,
     E._check_format(fmt)
     run = Path(run_dir)
     info = ckpt.load_drafter(run)
-    if info["drafter"] not in EXPORTABLE:
-        raise NotRepresentable(f"{run} holds a {info['drafter']!r} drafter; export supports {', '.join(EXPORTABLE)} "
-                               "(docs/EXPORT.md says what DFlash / DSpark would need)")
+    kind = info["drafter"]
+    if kind not in EXPORTABLE:
+        raise NotRepresentable(f"{run} holds a {kind!r} drafter; export supports {', '.join(EXPORTABLE)}")
     ckpt.check_target(info, target, str(run))
     run_cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else {}
     run_cfg = run_cfg or {}
     model_name = model_name or (run_cfg.get("model") or {}).get("name")
-    k = num_draft_tokens or (run_cfg.get("drafter") or {}).get("num_draft_tokens") or 3
+    verifier = verifier_of(target, model_name)
+    notes: list[str] = []
+    if kind == "eagle3":
+        from drafters import eagle3
 
-    from drafters import eagle3
+        k = num_draft_tokens or (run_cfg.get("drafter") or {}).get("num_draft_tokens") or 3
+        arch = eagle3.arch_from_checkpoint(target, info["config"])
+        config, tensors = E.to_peer(arch, info["params"], info["buffers"], target.cfg, fmt, num_draft_tokens=int(k),
+                                    verifier=verifier)
+    else:
+        from drafters import dflash
 
-    arch = eagle3.arch_from_checkpoint(target, info["config"])
-    config, tensors = E.to_peer(arch, info["params"], info["buffers"], target.cfg, fmt, num_draft_tokens=int(k),
-                                verifier=verifier_of(target, model_name))
+        arch = dflash.arch_from_checkpoint(target, info["config"])
+        # the engines draft a whole block by default (vLLM: num_speculative_tokens; SGLang: block_size - 1)
+        k = num_draft_tokens or arch.drafts
+        config, tensors, notes = B.to_peer(kind, arch, info["params"], info["buffers"], target.cfg, fmt,
+                                           embed=target.params["embed"], head=dflash.target_head(target),
+                                           num_draft_tokens=int(k), verifier=verifier)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file; the export writes a directory")
@@ -87,9 +100,12 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str,
     os.replace(tmp, out / WEIGHTS_FILE)
     os.chmod(out / WEIGHTS_FILE, 0o644)  # safetensors writes 0600; the serving side is often another user
     tokenizer_files = write_tokenizer(target, out, model_name)
-    meta = {"format": fmt, "drafter": info["drafter"], "config": info["config"], "source": str(run.absolute()),
+    meta = {"format": fmt, "drafter": kind, "config": info["config"], "source": str(run.absolute()),
             "step": info["step"], "target": info["target"] or ckpt.target_info(target),
-            "num_draft_tokens": int(k)}
+            "num_draft_tokens": int(k), "not_carried": notes, "own_embedding": "embed_tokens.weight" in tensors,
+            # what the peer format drops but a re-import into specdec should keep (DSpark's calibration)
+            "buffers": {name: np.asarray(v).tolist() for name, v in info["buffers"].items()
+                        if name.startswith("conf_temperature")}}
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
     (out / "README.md").write_text(model_card(run, run_cfg, meta, config, target, tokenizer_files))
     return out
@@ -131,14 +147,16 @@ def model_card(run: Path, run_cfg: dict, meta: dict, config: dict, target, token
     if data_summary is not None and data_summary.is_file():
         ds = json.loads(data_summary.read_text())
         examples = f"; {ds.get('examples')} examples, {ds.get('response_tokens')} response tokens"
-    fmt = meta["format"]
-    ids = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    fmt, kind = meta["format"], meta["drafter"]
+    ids = (config.get("eagle_aux_hidden_state_layer_ids") or config.get("aux_hidden_state_layer_ids")
+           or config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+           or config.get("dflash_config", {}).get("target_layer_ids"))
     final = summary.get("final_eval") or {}
     verifier = verifier_of(target, (run_cfg.get("model") or {}).get("name"))["name_or_path"]
     where = f" (`{data_dir}`{examples})" if data_dir else ""
+    title = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark"}[kind]
     lines = [
-        f"# EAGLE-3 drafter for {verifier} ({fmt} layout)",
+        f"# {title} drafter for {verifier} ({fmt} layout)",
         "",
         "Exported by specdec (`specdec export`) from a trained run; docs/EXPORT.md in specdec describes every field.",
         "",
@@ -147,6 +165,9 @@ def model_card(run: Path, run_cfg: dict, meta: dict, config: dict, target, token
         f"{target.cfg.vocab_size}) |",
         f"| target layers read (specdec taps) | {sorted(meta['config']['taps'])}; in this file's numbering: {ids} |",
         f"| draft vocabulary | {config.get('draft_vocab_size')} |",
+        *([f"| block | {meta['config']['block_size']} slots: [anchor, mask x {meta['config']['block_size'] - 1}], "
+           f"slot j predicts the token at anchor + j (`sample_from_anchor: false`); mask token "
+           f"{meta['config']['mask_token_id']} |"] if kind != "eagle3" else []),
         f"| training data | {datasets}{where} |",
         f"| steps | {meta['step']} (status: {summary.get('status', 'unknown')}) |",
         f"| source run | `{meta['source']}` |",
@@ -160,17 +181,24 @@ def model_card(run: Path, run_cfg: dict, meta: dict, config: dict, target, token
         lines.append("| held-out tau | not measured (the run has no final evaluation) |")
     lines += ["", "Tau by dataset is not measured by training; `specdec run` / `specdec sweep` with this drafter "
               "measure it per dataset.", ""]
+    if meta.get("not_carried"):
+        lines += ["## Not carried by this format", ""] + [f"- {n}" for n in meta["not_carried"]] + [""]
     lines += ["## Serving", ""]
     if fmt == "vllm":
-        spec = json.dumps({"method": "eagle3", "model": "<this dir>",
+        spec = json.dumps({"method": kind, "model": "<this dir>",
                            "num_speculative_tokens": meta["num_draft_tokens"]})
         lines += ["```", f"vllm serve <target> --speculative-config '{spec}'", "```"]
+    elif kind != "eagle3":
+        lines += ["```", f"python -m sglang.launch_server --model <target> --speculative-algorithm {kind.upper()} "
+                  "--speculative-draft-model-path <this dir>", "```"]
     else:
         lines += ["```", "python -m sglang.launch_server --model <target> --speculative-algorithm EAGLE3 "
                   "--speculative-draft-model-path <this dir> --speculative-num-steps "
                   f"{meta['num_draft_tokens']} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
                   f"{meta['num_draft_tokens'] + 1}", "```"]
-    lines += ["", "No `embed_tokens`: the engine shares the target's embedding, as specdec's drafter does.",
+    lines += ["", "`embed_tokens` / `lm_head`: the target's, written out because SGLang's DSpark model owns them "
+              "(specdec's drafter shares the target's)." if meta["own_embedding"] else
+              "No `embed_tokens`: the engine shares the target's embedding, as specdec's drafter does.",
               "Tokenizer files: " + (", ".join(tokenizer_files) if tokenizer_files else
                                      "none (the target has no tokenizer)") + "."]
     return "\n".join(lines) + "\n"
@@ -188,33 +216,47 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
         raise ckpt.CheckpointError(str(e)) from None
 
 
-def is_export(path: str | os.PathLike) -> bool:
+def export_kind(config: dict) -> str | None:
+    """The drafter kind of a peer config.json ("eagle3", "dflash", "dspark"), or None."""
+    if E.detect_format(config) is not None:
+        return "eagle3"
+    found = B.detect(config)
+    return found[0] if found else None
+
+
+def is_export(path: str | os.PathLike) -> str | None:
+    """The drafter kind of an exported (or peer-trained) directory, or None."""
     p = Path(path) / CONFIG_FILE
     if not p.is_file():
-        return False
+        return None
     try:
-        return E.detect_format(json.loads(p.read_text())) is not None
+        return export_kind(json.loads(p.read_text()))
     except (json.JSONDecodeError, AttributeError):
-        return False
+        return None
 
 
 def load_export(path: str | os.PathLike, expect_name: str | None = None) -> dict:
-    """An exported (or peer-trained) EAGLE-3 directory in `load_drafter`'s form: {"drafter", "config", "target",
-    "params", "buffers", "step", "source"}, plus "embed" (a checkpoint's own embedding, None if absent)."""
+    """An exported (or peer-trained) EAGLE-3 / DFlash / DSpark directory in `load_drafter`'s form: {"drafter",
+    "config", "target", "params", "buffers", "step", "source"}, plus "embed" / "head" (a checkpoint's own
+    embedding [V, H] / lm_head [Vd, H], None if absent: specdec's drafters use the target's)."""
     p = Path(path)
     try:
         config = json.loads((p / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ckpt.CheckpointError(f"{p / CONFIG_FILE} cannot be read ({type(e).__name__}: {e})") from None
-    if E.detect_format(config) is None:
-        raise ckpt.CheckpointError(f"{p / CONFIG_FILE} is no EAGLE-3 drafter config (vLLM speculators or SGLang)")
-    if expect_name is not None and expect_name != "eagle3":
-        raise ckpt.CheckpointError(f"{p} holds an 'eagle3' drafter, not {expect_name!r}")
-    out = E.from_peer(config, read_tensors(p))
+    kind = export_kind(config)
+    if kind is None:
+        raise ckpt.CheckpointError(f"{p / CONFIG_FILE} is no EAGLE-3 / DFlash / DSpark drafter config (vLLM "
+                                   "speculators or SGLang)")
+    if expect_name is not None and expect_name != kind:
+        raise ckpt.CheckpointError(f"{p} holds a {kind!r} drafter, not {expect_name!r}")
+    out = (E if kind == "eagle3" else B).from_peer(config, read_tensors(p))
     meta = json.loads((p / META_FILE).read_text()) if (p / META_FILE).is_file() else {}
     target = {**out["dims"]}
     if "num_layers" in meta.get("target", {}):
         target["num_layers"] = meta["target"]["num_layers"]
-    return {"drafter": "eagle3", "config": out["config"], "target": target, "params": out["params"],
-            "buffers": out["buffers"], "step": int(meta.get("step", -1)), "source": f"{p} ({out['format']} layout)",
-            "embed": out["embed"]}
+    # DSpark's calibrated temperatures are not in the peer format; specdec's own export keeps them in the meta
+    buffers = {**out["buffers"], **{k: np.asarray(v, np.float32) for k, v in meta.get("buffers", {}).items()}}
+    return {"drafter": kind, "config": out["config"], "target": target, "params": out["params"],
+            "buffers": buffers, "step": int(meta.get("step", -1)), "source": f"{p} ({out['format']} layout)",
+            "embed": out["embed"], "head": out.get("head")}

@@ -57,12 +57,15 @@ class NotRepresentable(ValueError):
 # Tap numbering
 # ---------------------------------------------------------------------------------------------------------
 
-def engine_layer_ids(taps, num_layers: int, fmt: str) -> list[int]:
-    """Our taps (ascending) in the engine's aux-layer numbering, or NotRepresentable saying why not."""
+def engine_layer_ids(taps, num_layers: int, fmt: str, count: int | None = N_AUX) -> list[int]:
+    """Our taps (ascending) in the engine's aux-layer numbering, or NotRepresentable saying why not. `count`:
+    the number of taps the engine's fc reads (EAGLE-3: 3; None: any, as DFlash / DSpark). The same numbering
+    holds for DFlash / DSpark: vLLM's aux ids capture the input of layer id (= our tap), SGLang's / z-lab's
+    `target_layer_ids` name the layer whose output is read (= our tap - 1)."""
     _check_format(fmt)
     taps = [int(t) for t in taps]
-    if len(taps) != N_AUX:
-        raise NotRepresentable(f"EAGLE-3 in vLLM and SGLang reads exactly {N_AUX} target layers (fc has "
+    if count is not None and len(taps) != count:
+        raise NotRepresentable(f"EAGLE-3 in vLLM and SGLang reads exactly {count} target layers (fc has "
                                f"3 x hidden inputs); this drafter taps {len(taps)}: {taps}")
     if len(set(taps)) != len(taps):
         raise NotRepresentable(f"taps {taps} repeat a layer; the engines capture each layer once, so fc would "
@@ -84,6 +87,46 @@ def taps_from_engine_ids(ids, fmt: str) -> list[int]:
     _check_format(fmt)
     ids = sorted(int(i) for i in ids)  # the engines concatenate captures in layer order whatever the list order
     return ids if fmt == "vllm" else [i + 1 for i in ids]
+
+
+def fc_in_layer_order(fc_weight: np.ndarray, taps, hidden: int) -> np.ndarray:
+    """fc.weight [H, n x H] with its input blocks in ascending tap order: the engines concatenate the captured
+    layers in layer order whatever order the config lists them in."""
+    order = np.argsort(np.asarray(taps), kind="stable")
+    return np.ascontiguousarray(np.concatenate([fc_weight[:, i * hidden:(i + 1) * hidden] for i in order], axis=1))
+
+
+def vocab_maps(d2t, draft_vocab: int, vocab: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(perm, {"d2t": int64 offsets [Vd], "t2d": bool [V]}) of specdec's reduced vocabulary `d2t` (absolute
+    target ids): the peers keep the draft vocabulary in ascending target-id order, so a draft-vocabulary axis
+    (lm_head rows, DSpark's markov_w2 rows) is written permuted by `perm` (the identity for specdec's sorted
+    maps), and store offsets: target id = draft id + d2t[draft id]."""
+    if d2t is None:
+        raise ValueError(f"the drafter has draft_vocab_size {draft_vocab} but no d2t buffer")
+    d2t = np.asarray(d2t, np.int64)
+    if d2t.shape != (draft_vocab,) or d2t.min() < 0 or d2t.max() >= vocab or len(np.unique(d2t)) != len(d2t):
+        raise ValueError(f"d2t must hold {draft_vocab} distinct target ids in [0, {vocab}); got shape "
+                         f"{d2t.shape}, range [{d2t.min()}, {d2t.max()}], {len(np.unique(d2t))} distinct")
+    perm = np.argsort(d2t, kind="stable")
+    kept = d2t[perm]
+    t2d = np.zeros((vocab,), bool)
+    t2d[kept] = True
+    return perm, {"d2t": kept - np.arange(len(kept), dtype=np.int64), "t2d": t2d}
+
+
+def absolute_d2t(tensors: dict, draft_vocab: int, vocab: int) -> np.ndarray:
+    """A peer checkpoint's d2t offsets (checked against its t2d when present) as specdec's absolute ids [Vd]."""
+    offsets = np.asarray(tensors["d2t"], np.int64)
+    if offsets.shape != (draft_vocab,):
+        raise ValueError(f"d2t has shape {offsets.shape}, expected ({draft_vocab},)")
+    d2t = np.arange(draft_vocab, dtype=np.int64) + offsets  # offsets -> specdec's absolute target ids
+    if d2t.min() < 0 or d2t.max() >= vocab or len(np.unique(d2t)) != draft_vocab:
+        raise ValueError(f"d2t offsets map to ids outside [0, {vocab}) or to repeated ids")
+    if "t2d" in tensors:
+        t2d = np.asarray(tensors["t2d"]).astype(bool)
+        if t2d.shape != (vocab,) or int(t2d.sum()) != draft_vocab or not t2d[d2t].all():
+            raise ValueError("t2d does not mark exactly the target ids of d2t")
+    return d2t
 
 
 def _check_format(fmt: str) -> None:
@@ -113,51 +156,22 @@ def to_peer(arch, params: dict, buffers: dict, target_cfg, fmt: str, *, num_draf
     for ours, theirs in NORMS.items():
         tensors[f"{theirs}.weight"] = np.asarray(params[ours]["scale"], np.float32)
 
-    # fc's input blocks in ascending tap order (the engines' capture order)
-    h = target_cfg.hidden_size
-    order = np.argsort(np.asarray(arch.taps), kind="stable")
-    fc = tensors["fc.weight"]
-    tensors["fc.weight"] = np.ascontiguousarray(np.concatenate([fc[:, i * h:(i + 1) * h] for i in order], axis=1))
+    tensors["fc.weight"] = fc_in_layer_order(tensors["fc.weight"], arch.taps, target_cfg.hidden_size)
 
     vocab = target_cfg.vocab_size
-    d2t = buffers.get("d2t")
     if arch.draft_vocab:
-        if d2t is None:
-            raise ValueError(f"the drafter has draft_vocab_size {arch.draft_vocab} but no d2t buffer")
-        d2t = np.asarray(d2t, np.int64)
-        if d2t.shape != (arch.draft_vocab,) or d2t.min() < 0 or d2t.max() >= vocab or len(np.unique(d2t)) != len(d2t):
-            raise ValueError(f"d2t must hold {arch.draft_vocab} distinct target ids in [0, {vocab}); got shape "
-                             f"{d2t.shape}, range [{d2t.min()}, {d2t.max()}], {len(np.unique(d2t))} distinct")
-        perm = np.argsort(d2t, kind="stable")  # identity for specdec's sorted maps
+        perm, maps = vocab_maps(buffers.get("d2t"), arch.draft_vocab, vocab)
         tensors["lm_head.weight"] = np.ascontiguousarray(tensors["lm_head.weight"][perm])
-        kept = d2t[perm]
-        # specdec stores absolute ids; vLLM / SGLang / speculators store offsets (target = draft + d2t[draft])
-        tensors["d2t"] = kept - np.arange(len(kept), dtype=np.int64)
-        t2d = np.zeros((vocab,), bool)
-        t2d[kept] = True
-        tensors["t2d"] = t2d
+        tensors.update(maps)
     else:
         # The identity map for a full vocabulary: SGLang's EAGLE worker (older releases) calls .to() on the
         # hot-token map without a None check, and speculators accepts and ignores identity maps.
         tensors["d2t"] = np.zeros((vocab,), np.int64)
         tensors["t2d"] = np.ones((vocab,), bool)
     draft_vocab = arch.draft_vocab or vocab
-    eos = list(target_cfg.eos_token_ids)
     tensors = _rename(tensors, "midlayer.", LAYER_PREFIX[fmt])
-
-    layer = {
-        "model_type": "llama",  # the draft layer is a plain Llama block whatever the target family
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": vocab, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": 1, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps,
-        "max_position_embeddings": target_cfg.max_position_embeddings, "rope_theta": c.rope_theta,
-        "rope_scaling": dict(c.rope_scaling) if c.rope_scaling is not None else None,
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "bos_token_id": target_cfg.bos_token_id,
-        "eos_token_id": eos[0] if len(eos) == 1 else eos,
-        "pad_token_id": target_cfg.pad_token_id, "torch_dtype": "float32",
-    }
+    # the draft layer is a plain Llama block whatever the target family
+    layer = layer_config(c, target_cfg, "llama", num_layers=1)
     if fmt == "vllm":
         verifier = verifier or {"name_or_path": target_cfg.name, "architectures": []}
         verifier = {"name_or_path": verifier["name_or_path"], "architectures": list(verifier["architectures"])}
@@ -179,6 +193,38 @@ def to_peer(arch, params: dict, buffers: dict, target_cfg, fmt: str, *, num_draf
                   "target_hidden_size": target_cfg.hidden_size,
                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
     return config, tensors
+
+
+def layer_config(c, target_cfg, model_type: str, num_layers: int) -> dict:
+    """The Hugging Face config of the draft layers (widths `c`, a ModelConfig): `transformer_layer_config` for
+    speculators, the top level for SGLang. `model_type` "llama" (EAGLE-3's layer) or "qwen3" (DFlash / DSpark:
+    q/k norms)."""
+    eos = list(target_cfg.eos_token_ids)
+    return {
+        "model_type": model_type,
+        "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen3ForCausalLM"],
+        "vocab_size": target_cfg.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": int(num_layers), "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": target_cfg.max_position_embeddings,
+        "rope_theta": c.rope_theta, "rope_scaling": dict(c.rope_scaling) if c.rope_scaling is not None else None,
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": target_cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "pad_token_id": target_cfg.pad_token_id, "torch_dtype": "float32",
+    }
+
+
+def layer_dims(layer: dict) -> dict:
+    """The target widths a peer checkpoint's draft layers were built for (`target_dims`'s keys)."""
+    rope = layer.get("rope_scaling")
+    hidden = int(layer["hidden_size"])
+    return {"hidden_size": hidden, "vocab_size": int(layer["vocab_size"]),
+            "num_heads": int(layer["num_attention_heads"]),
+            "num_kv_heads": int(layer.get("num_key_value_heads", layer["num_attention_heads"])),
+            "head_dim": int(layer.get("head_dim") or hidden // int(layer["num_attention_heads"])),
+            "rope_theta": float(layer.get("rope_theta", 10000.0)), "rms_norm_eps": float(layer["rms_norm_eps"]),
+            "rope_scaling": json.loads(json.dumps(rope)) if rope else None}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -259,26 +305,11 @@ def from_peer(config: dict, tensors: dict[str, np.ndarray]) -> dict:
         raise NotRepresentable("a full-vocabulary d2t that permutes the vocabulary (specdec's full-vocabulary "
                                "drafters use the identity)")
     if "d2t" in tensors and draft_vocab != vocab:
-        offsets = np.asarray(tensors["d2t"], np.int64)
-        if offsets.shape != (draft_vocab,):
-            raise ValueError(f"d2t has shape {offsets.shape}, expected ({draft_vocab},)")
-        d2t = np.arange(draft_vocab, dtype=np.int64) + offsets  # offsets -> specdec's absolute target ids
-        if d2t.min() < 0 or d2t.max() >= vocab or len(np.unique(d2t)) != draft_vocab:
-            raise ValueError(f"d2t offsets map to ids outside [0, {vocab}) or to repeated ids")
-        if "t2d" in tensors:
-            t2d = np.asarray(tensors["t2d"]).astype(bool)
-            if t2d.shape != (vocab,) or int(t2d.sum()) != draft_vocab or not t2d[d2t].all():
-                raise ValueError("t2d does not mark exactly the target ids of d2t")
-        buffers["d2t"] = d2t.astype(np.int32)
+        buffers["d2t"] = absolute_d2t(tensors, draft_vocab, vocab).astype(np.int32)
     elif draft_vocab != vocab:
         raise ValueError(f"draft_vocab_size {draft_vocab} < vocab_size {vocab} but the checkpoint has no d2t map")
 
-    rope = layer.get("rope_scaling")
-    dims = {"hidden_size": hidden, "vocab_size": vocab, "num_heads": int(layer["num_attention_heads"]),
-            "num_kv_heads": int(layer.get("num_key_value_heads", layer["num_attention_heads"])),
-            "head_dim": int(layer.get("head_dim") or hidden // int(layer["num_attention_heads"])),
-            "rope_theta": float(layer.get("rope_theta", 10000.0)), "rms_norm_eps": float(layer["rms_norm_eps"]),
-            "rope_scaling": json.loads(json.dumps(rope)) if rope else None}
+    dims = layer_dims(layer)
     settings = {"taps": taps, "draft_vocab_size": 0 if draft_vocab == vocab else draft_vocab,
                 "intermediate_size": int(layer["intermediate_size"])}
     return {"config": settings, "params": params, "buffers": buffers, "dims": dims, "format": fmt,

@@ -195,6 +195,16 @@ def load_trained(path: str | os.PathLike | None, name: str, target, config_stem:
                               or not np.allclose(np.asarray(embed, np.float32), mine, rtol=1e-3, atol=1e-3)):
         raise CheckpointError(f"{path} carries its own embed_tokens, which differ from the target's; specdec's "
                               f"{name} reads the target's embedding, so it cannot reproduce this drafter")
+    head = info.get("head")  # an imported block drafter's lm_head [Vd, H]: specdec's uses the target's head
+    if head is not None:
+        p = target.params
+        mine = np.asarray(p["embed"] if target.cfg.tie_word_embeddings else np.asarray(p["lm_head"]).T, np.float32)
+        d2t = info["buffers"].get("d2t")
+        mine = mine if d2t is None else mine[np.asarray(d2t)]
+        if np.shape(head) != mine.shape or not np.allclose(np.asarray(head, np.float32), mine, rtol=1e-3, atol=1e-3):
+            raise CheckpointError(f"{path} carries its own lm_head, which differs from the target's (on its draft "
+                                  f"vocabulary); specdec's {name} reads the target's head, so it cannot reproduce "
+                                  "this drafter")
     return info
 
 
@@ -209,12 +219,13 @@ def drafter_kind(path: str | os.PathLike) -> str:
             raise CheckpointError(f"{p / DRAFTER_FILE} is corrupt ({type(e).__name__}: {e})") from None
     from specdec.export import is_export
 
-    if is_export(p):
-        return "eagle3"
+    kind = is_export(p)
+    if kind:
+        return kind
     if not p.exists():
         raise CheckpointError(f"drafter checkpoint {p} does not exist")
-    raise CheckpointError(f"{p} is not a trained drafter: no {DRAFTER_FILE} and no EAGLE-3 {EXPORT_CONFIG}; pass a "
-                          "training run directory or a directory written by `specdec export`")
+    raise CheckpointError(f"{p} is not a trained drafter: no {DRAFTER_FILE} and no EAGLE-3 / DFlash / DSpark "
+                          f"{EXPORT_CONFIG}; pass a training run directory or a directory written by `specdec export`")
 
 
 def check_target(info: dict, target, where: str) -> None:
