@@ -15,12 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from drafters import register
-from specdec.drafter import Drafter, PromptInfo, RoundContext
+from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
 from specdec import trees
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
-from specdec.verify import Draft
 
 
 class DraftLMDrafter(Drafter):

@@ -32,12 +32,11 @@ import numpy as np
 
 from drafters import register
 from specdec import trees
-from specdec.drafter import Drafter, PromptInfo, RoundContext
+from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
 from specdec.models import transformer
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
-from specdec.verify import Draft
 
 NAME = "medusa"
 

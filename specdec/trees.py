@@ -1,7 +1,7 @@
 """Token trees: static tree shapes, the tree attention mask, dynamic (EAGLE-2) tree selection, and KV-cache
 compaction after a tree verify.
 
-Conventions (shared with `specdec.verify.Draft` and `specdec.models.transformer.forward`):
+Conventions (shared with `specdec.drafter.Draft` and `specdec.models.transformer.forward`):
 - A tree of N nodes hangs below a root, the last committed token. Node i has a parent index in [-1, i): -1 is
   the root, and parents always come before their children (topological order), so a single left-to-right
   pass sees every parent before its children.
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec.drafter import Draft
 from specdec.models.transformer import KVCache
-from specdec.verify.base import Draft
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -13,10 +13,10 @@ from drafters import create_drafter
 from specdec import adaptive, engine
 from specdec.adaptive import AdaptiveWidth
 from specdec.config import SchedulerConfig
+from specdec.drafter import Draft
 from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.scheduling import make_scheduler
-from specdec.verify import Draft
 from tests.test_engine import (PROMPTS, SAMPLING, assert_lossless, distribution_target, make_target,
                                sampled_joint)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from drafters import eagle3
-from specdec.drafter import PromptInfo, RoundContext
+from specdec.drafter import PromptInfo, RoundContext, VerifyResult
 from specdec.engine import speculative_generate
 from specdec.generate import generate, prefill
 from specdec.models import transformer
@@ -20,7 +20,6 @@ from specdec.sampling import GREEDY
 from specdec.target import random_target
 from specdec.train import tasks as T
 from specdec.train.features import TargetFeatures, online_features
-from specdec.verify.base import VerifyResult
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
 WIDTH = 16  # reference sequences are right-padded to one length (causal: padding never changes earlier slots)

@@ -13,12 +13,13 @@ from scipy import stats
 
 from drafters import create_drafter
 from drafters.draft_lm import DraftLMDrafter, DraftLMTreeDrafter
+from specdec.drafter import Draft
 from specdec.engine import speculative_generate
 from specdec.generate import cache_capacity, generate, pad_prompts
 from specdec.models.config import tiny_config
 from specdec.sampling import GREEDY, SamplingParams, probabilities
 from specdec.target import random_target
-from specdec.verify import Draft
+from specdec.verify import get_policy
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
 
@@ -153,7 +154,7 @@ def test_narrow_verify_step_equals_the_full_step_on_its_positions():
     """`target_verify` with need=w runs only [root, w nodes] (the smallest width >= w) and pads back: its
     logits/taps equal the full step's on those positions, are 0 past them, and only those cache rows change."""
     from specdec import engine, trees
-    from specdec.verify import Draft
+    from specdec.drafter import Draft
 
     target = make_target(8)
     drafter = types.SimpleNamespace(taps=(1, 2))  # what target_verify reads: the taps to return
@@ -200,6 +201,22 @@ def test_bucketed_verify_is_lossless():
     b = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17, sampling=sampling, seed=5,
                              verify_buckets="auto")
     assert a.tokens == b.tokens and a.metrics.rounds == b.metrics.rounds
+
+
+def test_a_policy_object_brings_its_options_to_the_engine():
+    """`policy` may be a `Policy` with options: typical acceptance with epsilon 0 accepts every token the target
+    gives any probability, so at T=1 every verdict observed is an acceptance; with its default epsilon not."""
+    target = make_target(9)
+    drafter = create_drafter("ngram", target, 4, max_ngram=2)
+
+    def conditional(policy):
+        out = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17,
+                                   sampling=SamplingParams(temperature=1.0), seed=5)
+        return [c for c in out.metrics.acceptance_by_position()["conditional"] if c == c]  # nan: never tested
+
+    everything = conditional(get_policy("typical", epsilon=0.0))
+    assert everything and everything == [1.0] * len(everything)
+    assert min(conditional("typical")) < 1.0
 
 
 def test_eos_inside_accepted_draft_ends_row_exactly_there():

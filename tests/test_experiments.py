@@ -112,6 +112,24 @@ def test_verify_buckets_reach_the_engine(tmp_path, monkeypatch):
     assert summary["lossless"]["passed"]
 
 
+def test_effective_policy_takes_the_verify_options_and_the_tree_counterpart():
+    """`verify.eps` / `verify.delta` become the typical policy's options (no longer refused); a chain policy on
+    a tree drafter runs as its tree counterpart, with a note."""
+    from types import SimpleNamespace
+
+    from experiments.build import effective_policy
+    from specdec.config import VerifyConfig
+    from specdec.verify import get_policy
+
+    chain, tree = SimpleNamespace(kind="chain", name="ngram"), SimpleNamespace(kind="tree", name="suffix")
+    policy, note = effective_policy(VerifyConfig(policy="typical", eps=0.05, delta=0.2), chain)
+    assert policy == get_policy("typical", epsilon=0.05, delta=0.2) and note is None
+    assert effective_policy(VerifyConfig(policy="rejection_chain", eps=0.05), chain) == (
+        get_policy("rejection_chain"), None)
+    policy, note = effective_policy(VerifyConfig(policy="greedy_chain"), tree)
+    assert policy == get_policy("greedy_tree") and "runs as greedy_tree" in note
+
+
 def test_rerun_of_a_finished_run_is_skipped_and_a_changed_config_refused(tmp_path):
     cfg = tiny_cfg(tmp_path, "done", "data.datasets.0.limit=1")
     first = run_experiment(cfg, progress=False, echo=quiet)

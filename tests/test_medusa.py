@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 
 from drafters import medusa
-from specdec.drafter import PromptInfo, RoundContext
+from specdec.drafter import PromptInfo, RoundContext, VerifyResult
 from specdec.engine import speculative_generate
 from specdec.generate import generate, prefill
 from specdec.models.config import tiny_config
 from specdec.sampling import GREEDY
 from specdec.target import random_target
 from specdec.train.features import TargetFeatures, online_features
-from specdec.verify.base import VerifyResult
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
 

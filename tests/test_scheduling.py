@@ -15,11 +15,12 @@ from drafters import create_drafter, dspark
 from drafters.draft_lm import DraftLMDrafter, _prefix_layers
 from specdec import scheduling
 from specdec.config import SchedulerConfig
+from specdec.drafter import Draft
 from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.sampling import SamplingParams
 from specdec.scheduling import Scheduler, prefix_lengths
-from specdec.verify import Draft, get_policy
+from specdec.verify import get_policy
 from tests.test_engine import (
     NUM_SAMPLES,
     PROMPT,
