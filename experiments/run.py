@@ -62,9 +62,10 @@ from experiments.datasets import Prompt, fill_own_answers, load_all
 from experiments.lossless import LosslessError, LosslessResult, check_greedy, check_sampled, skipped
 from experiments.provenance import load_average, provenance
 from experiments.quality import METRIC, score_all
-from experiments.tracking import Tracker, make_tracker
+from experiments.tracking import make_tracker
 from specdec.config import ExperimentConfig, to_dict, to_yaml
 from specdec.metrics import DecodeMetrics, merge, speedup
+from specdec.tracking import Tracker
 
 AR, SPEC = "autoregressive", "speculative"
 SEED_NOTE = "batch i is decoded with seed sampling.seed + i (AR and speculative alike)"

@@ -19,9 +19,9 @@ from experiments.plots import pareto_front
 from experiments.quality import extract_final_number, gsm8k_correct, humaneval_passed, mbpp_passed, score_all
 from experiments.run import RunInterrupted, batch_group, make_record, plan_batches, run_experiment
 from experiments.sweep import run_sweep
-from experiments.tracking import MemoryTracker
 from specdec.config import DatasetConfig, ConfigError, load_config
 from specdec.metrics import DecodeMetrics
+from specdec.tracking import MemoryTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"

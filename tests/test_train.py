@@ -23,13 +23,13 @@ import drafters
 from drafters import create_drafter
 from experiments import cli
 from experiments.build import build_target
-from experiments.tracking import MemoryTracker
 from specdec.config import load_config, to_dict
 from specdec.engine import speculative_generate
 from specdec import generate as G
 from specdec.generate import generate
 from specdec.sampling import SamplingParams
 from specdec.target import Target
+from specdec.tracking import MemoryTracker
 from specdec.train import checkpoint as ckpt
 from specdec.train import data as D
 from specdec.train.features import build_feature_cache, cached_features, online_features
