@@ -84,11 +84,6 @@ def set_interpret(value: Any = "auto") -> None:
     _settings["interpret"] = value
 
 
-def set_chip(chip: str | None) -> None:
-    """Module default TPU generation for the VMEM budget (None: detect on TPU, "v5e" elsewhere)."""
-    _settings["chip"] = chip
-
-
 @contextlib.contextmanager
 def interpret_mode(value: Any = "auto", chip: str | None = None):
     """Temporarily set the module defaults: `with interpret_mode(race_check_params()): ...`."""

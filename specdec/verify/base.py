@@ -94,7 +94,7 @@ def round_noise(key: jax.Array, batch_size: int, num_nodes: int, vocab_size: int
 
 def final_sample(gumbel: jax.Array, dist: jax.Array) -> jax.Array:
     """Draw the correction / bonus token of each row from dist [B, V] (non-negative, maybe unnormalised) by
-    the Gumbel-max trick: argmax(log dist + Gumbel) is distributed as dist, like `sample_from_probs`."""
+    the Gumbel-max trick: argmax(log dist + Gumbel) is distributed as dist."""
     log_dist = jnp.where(dist > 0, jnp.log(jnp.where(dist > 0, dist, 1.0)), -jnp.inf)
     return jnp.argmax(log_dist + gumbel, axis=-1).astype(jnp.int32)
 
