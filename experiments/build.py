@@ -22,7 +22,6 @@ from specdec.target import Target
 from specdec.verify import Policy, get_policy
 
 TINY_NAMES = ("tiny",)
-TINY_WEIGHT_SCALE = 0.35  # peaky random logits, so greedy text repeats and lookup drafters get accepted
 
 
 def plain_conversation(messages: Sequence[dict]) -> str:
@@ -83,11 +82,10 @@ def codec_for(target: Target):
 
 @functools.lru_cache(maxsize=2)
 def _cached_target(name: str, dtype: str, backend: str, seed: int) -> Target:
-    if name in TINY_NAMES:
-        from specdec.models.config import tiny_config
-        from specdec.target import random_target
+    if name in TINY_NAMES:  # peaky random logits, so greedy text repeats and lookup drafters get accepted
+        from specdec.testing import peaky_target
 
-        return random_target(tiny_config(dtype=dtype), seed=seed, backend=backend, scale=TINY_WEIGHT_SCALE)
+        return peaky_target(seed, backend, dtype=dtype)
     from specdec.target import load_target
 
     return load_target(name, backend=backend, dtype=dtype)

@@ -608,10 +608,9 @@ def test_compare_rows_with_and_without_verify_buckets():
     """The quickstart's comparison: the same drafter with the engine's narrow verify steps is its own row, and
     both equal AR token for token."""
     from experiments.compare import DrafterSpec, compare, table
-    from specdec.models.config import tiny_config
-    from specdec.target import random_target
+    from specdec.testing import peaky_target
 
-    target = random_target(tiny_config(), seed=1, scale=0.35)
+    target = peaky_target(1)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12]]
     rows = compare(target, prompts, [DrafterSpec("ngram", 4, {"max_ngram": 2}),
                                      DrafterSpec("ngram", 4, {"max_ngram": 2}, buckets="auto")], max_new_tokens=12)
