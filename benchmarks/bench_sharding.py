@@ -76,12 +76,13 @@ def main() -> int:
 
     from drafters import create_drafter
     from specdec import engine
+    from specdec.drafter import Draft
     from specdec.generate import prefill
     from specdec.models.config import tiny_config
     from specdec.sampling import GREEDY, sample
     from specdec.sharding import make_mesh, shard_target
     from specdec.target import random_target
-    from specdec.verify import Draft, get_policy
+    from specdec.verify import get_policy
 
     from types import SimpleNamespace
 

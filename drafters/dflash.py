@@ -46,13 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafters import register
-from specdec.drafter import Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
+from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
-from specdec.verify import Draft
 
 NAME = "dflash"
 MASK_TOKEN_NAME = "<empty_output>"  # SmolLM2: id 16, never produced in chat data

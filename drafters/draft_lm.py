@@ -15,12 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from drafters import register
-from specdec.drafter import Drafter, PromptInfo, RoundContext
+from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
 from specdec import trees
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
-from specdec.verify import Draft
 
 
 class DraftLMDrafter(Drafter):
@@ -77,13 +76,11 @@ class DraftLMDrafter(Drafter):
 
 
 class DraftLMTreeDrafter(DraftLMDrafter):
-    """The draft LM growing a dynamic token tree (EAGLE-2): expand the `top_k` best nodes of each depth by
-    their `top_k` most likely children for `depth` levels, then keep the `num_draft_tokens` candidates with the
-    highest cumulative draft log-probability (`specdec.trees.select_dynamic_tree`).
+    """The draft LM growing a dynamic token tree (EAGLE-2, `specdec.trees.grow_dynamic_tree`): `top_k`
+    children per expanded node, `depth` levels, the `num_draft_tokens` best candidates kept.
 
     Each level runs the draft model once over every node expanded so far, with their ancestor mask; the draft
-    cache keeps only committed tokens, so nothing needs undoing. Candidates are top-k picks, not samples, so
-    the draft is deterministic (probs=None): multidraft_tree then verifies it losslessly at any temperature.
+    cache keeps only committed tokens, so nothing needs undoing. The draft is deterministic (top-k picks).
     """
 
     kind = "tree"
@@ -99,32 +96,14 @@ class DraftLMTreeDrafter(DraftLMDrafter):
     def propose(self, params, cache, ctx: RoundContext, sampling, key):
         k = self.top_k
         root_logits, committed = self.catch_up(params, cache, ctx)
-        front_score, front_tokens = jax.lax.top_k(jax.nn.log_softmax(root_logits), k)  # depth-1 frontier
-        batch = front_tokens.shape[0]
-        front_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
-        cand_tokens, cand_parents, cand_scores = [front_tokens], [jnp.full((batch, k), -1, jnp.int32)], [front_score]
-        expanded_tokens, expanded_parents = front_tokens, jnp.full((batch, k), -1, jnp.int32)
-        offset = k
-        for level in range(1, self.depth):  # static loop over tree depth
-            mask, depth = trees.tree_attention(expanded_parents)
-            width = expanded_tokens.shape[1]
-            out = transformer.forward(params, self.cfg, committed, expanded_tokens,
-                                      ctx.seq_len[:, None] + depth[:, 1:] - 1, mask[:, 1:, 1:],
+
+        def expand(tokens, depth, mask, _):  # the draft model over the expanded nodes; logits at the frontier
+            batch, width = tokens.shape
+            out = transformer.forward(params, self.cfg, committed, tokens, ctx.seq_len[:, None] + depth - 1, mask,
                                       logits_at=jnp.broadcast_to(jnp.arange(width - k, width), (batch, k)))
-            child_score, child_tokens = jax.lax.top_k(jax.nn.log_softmax(out.logits), k)  # [B, k, k]
-            child_score = (front_score[:, :, None] + child_score).reshape(batch, k * k)
-            child_tokens = child_tokens.reshape(batch, k * k)
-            cand_tokens.append(child_tokens)
-            cand_parents.append(jnp.repeat(front_cand, k, axis=1))
-            cand_scores.append(child_score)
-            front_score, pick = jax.lax.top_k(child_score, k)  # the next level expands the k best children
-            front_cand = (offset + pick).astype(jnp.int32)
-            expanded_tokens = jnp.concatenate([expanded_tokens, jnp.take_along_axis(child_tokens, pick, 1)], 1)
-            expanded_parents = jnp.concatenate([expanded_parents, (level - 1) * k + pick // k], 1)
-            offset += k * k
-        draft, _ = trees.select_dynamic_tree(jnp.concatenate(cand_tokens, 1), jnp.concatenate(cand_parents, 1),
-                                             jnp.concatenate(cand_scores, 1), self.num_draft_tokens)
-        return draft, committed
+            return out.logits, None
+
+        return trees.grow_dynamic_tree(root_logits, expand, k, self.depth, self.num_draft_tokens), committed
 
     def describe(self):
         return {**super().describe(), "tree_top_k": self.top_k, "tree_depth": self.depth}

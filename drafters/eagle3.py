@@ -40,13 +40,12 @@ import numpy as np
 
 from drafters import register
 from specdec import trees
-from specdec.drafter import Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
+from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
-from specdec.verify import Draft
 
 NAME = "eagle3"
 
@@ -236,7 +235,7 @@ class Eagle3Task:
         params = Eagle3Net(self.arch).init(key, dummy_taps, jnp.zeros((1, 2, c.hidden_size)), jnp.zeros((1, 2), jnp.int32))
         params = jax.tree.map(jnp.asarray, params["params"])
         buffers = {}
-        head = target_head(self.target)  # [H, V]
+        head = self.target.output_projection()  # [H, V]
         if self.arch.draft_vocab:
             d2t = T.reduced_vocab(token_counts, self.arch.draft_vocab, tcfg.eos_token_ids)
             buffers["d2t"] = jnp.asarray(d2t)
@@ -291,12 +290,6 @@ class Eagle3Task:
         out = self._run(params, consts, batch, feats, max(num_steps, self.ttt_steps), True)
         ev = T.DraftEval(jnp.moveaxis(out["alpha"][:num_steps], 0, -1), jnp.moveaxis(out["match"][:num_steps], 0, -1))
         return self._weighted(out["ce"]), ev
-
-
-def target_head(target) -> np.ndarray:
-    """The target's output projection as [H, V]."""
-    p = target.params
-    return np.asarray(p["embed"]).T if target.cfg.tie_word_embeddings else np.asarray(p["lm_head"])
 
 
 @T.register_task(NAME)
@@ -434,9 +427,8 @@ class Eagle3Drafter(Drafter):
 
 
 class Eagle3TreeDrafter(Eagle3Drafter):
-    """EAGLE-3 growing an EAGLE-2 dynamic tree: each level expands the `top_k` best frontier nodes by their
-    `top_k` most likely children, for `depth` levels, then `specdec.trees.select_dynamic_tree` keeps the
-    `num_draft_tokens` best candidates by cumulative draft log-probability. A node's input feature is its
+    """EAGLE-3 growing an EAGLE-2 dynamic tree (`specdec.trees.grow_dynamic_tree`): `top_k` children per
+    expanded node, `depth` levels, the `num_draft_tokens` best candidates kept. A node's input feature is its
     parent's output; every level re-runs all expanded nodes with their ancestor mask (the cache keeps only
     committed positions). Candidates are top-k picks (deterministic drafts: probs=None)."""
 
@@ -454,34 +446,15 @@ class Eagle3TreeDrafter(Eagle3Drafter):
         k = self.top_k
         h_root, committed = self.catch_up(params, state, ctx)
         root_pos = ctx.seq_len - 1
-        front_score, front_ids = jax.lax.top_k(jax.nn.log_softmax(self._logits(params, h_root)), k)
-        front_tokens = self._to_target(params, front_ids)
-        batch = front_tokens.shape[0]
-        front_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
-        cand_tokens, cand_parents, cand_scores = [front_tokens], [jnp.full((batch, k), -1, jnp.int32)], [front_score]
-        exp_tokens, exp_parents = front_tokens, jnp.full((batch, k), -1, jnp.int32)
-        exp_hin = jnp.broadcast_to(h_root[:, None], (batch, k, h_root.shape[-1]))
-        offset = k
-        for level in range(1, self.depth):  # static loop over depth
-            mask, depth = trees.tree_attention(exp_parents)
-            h, _ = self._layer(params, committed, exp_tokens, exp_hin, root_pos[:, None] + depth[:, 1:],
-                               mask[:, 1:, 1:])
-            width = exp_tokens.shape[1]
-            front_h = h[:, width - k:]  # outputs of the current frontier
-            child_score, child_ids = jax.lax.top_k(jax.nn.log_softmax(self._logits(params, front_h)), k)
-            child_score = (front_score[:, :, None] + child_score).reshape(batch, k * k)
-            child_tokens = self._to_target(params, child_ids).reshape(batch, k * k)
-            cand_tokens.append(child_tokens)
-            cand_parents.append(jnp.repeat(front_cand, k, axis=1))
-            cand_scores.append(child_score)
-            front_score, pick = jax.lax.top_k(child_score, k)
-            front_cand = (offset + pick).astype(jnp.int32)
-            exp_tokens = jnp.concatenate([exp_tokens, jnp.take_along_axis(child_tokens, pick, 1)], 1)
-            exp_parents = jnp.concatenate([exp_parents, (width - k + pick // k).astype(jnp.int32)], 1)
-            exp_hin = jnp.concatenate([exp_hin, jnp.take_along_axis(front_h, (pick // k)[..., None], 1)], 1)
-            offset += k * k
-        draft, _ = trees.select_dynamic_tree(jnp.concatenate(cand_tokens, 1), jnp.concatenate(cand_parents, 1),
-                                             jnp.concatenate(cand_scores, 1), self.num_draft_tokens)
+
+        def expand(tokens, depth, mask, h_in):  # the draft layer over the expanded nodes (input: the parent's h)
+            h, _ = self._layer(params, committed, tokens, h_in, root_pos[:, None] + depth, mask)
+            front_h = h[:, tokens.shape[1] - k:]  # outputs of the current frontier
+            return self._logits(params, front_h), front_h
+
+        root_inputs = jnp.broadcast_to(h_root[:, None], (h_root.shape[0], k, h_root.shape[-1]))
+        draft = trees.grow_dynamic_tree(self._logits(params, h_root), expand, k, self.depth, self.num_draft_tokens,
+                                        root_inputs=root_inputs, to_target=lambda ids: self._to_target(params, ids))
         return draft, Eagle3State(cache=committed, feats=state.feats)
 
     def describe(self):

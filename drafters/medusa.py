@@ -28,16 +28,14 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from drafters import register
 from specdec import trees
-from specdec.drafter import Drafter, PromptInfo, RoundContext
+from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
 from specdec.models import transformer
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
-from specdec.verify import Draft
 
 NAME = "medusa"
 
@@ -81,11 +79,6 @@ def head_logits(arch: MedusaArch, params, consts, last: jax.Array) -> jax.Array:
     return MedusaNet(arch).apply({"params": params}, h, consts.get("head"))
 
 
-def target_head(target) -> np.ndarray:
-    p = target.params
-    return np.asarray(p["embed"]).T if target.cfg.tie_word_embeddings else np.asarray(p["lm_head"])
-
-
 @dataclasses.dataclass(frozen=True)
 class MedusaTask:
     arch: MedusaArch
@@ -114,7 +107,7 @@ class MedusaTask:
         params = MedusaNet(self.arch).init(key, h, consts.get("head"))["params"]
         params = jax.tree.map(jnp.asarray, params)
         if not self.arch.shared_head:
-            head = jnp.asarray(target_head(self.target), jnp.float32)
+            head = jnp.asarray(self.target.output_projection(), jnp.float32)
             for k in range(self.arch.num_heads):
                 params[f"head{k}_proj"] = {"kernel": head}
         return params, {}
@@ -122,7 +115,7 @@ class MedusaTask:
     def frozen(self, target) -> dict:
         out = {"final_norm": target.params["final_norm"], "eps": jnp.float32(target.cfg.rms_norm_eps)}
         if self.arch.shared_head:
-            out["head"] = jnp.asarray(target_head(target))
+            out["head"] = target.output_projection()
         return out
 
     def _loss(self, logits, batch):
@@ -181,7 +174,7 @@ class MedusaDrafter(Drafter):
         params = {"params": jax.tree.map(jnp.asarray, trained), "final_norm": target.params["final_norm"],
                   "eps": jnp.float32(target.cfg.rms_norm_eps)}
         if arch.shared_head:
-            params["head"] = jnp.asarray(target_head(target))
+            params["head"] = target.output_projection()
         if tree_paths:
             return MedusaTreeDrafter(arch, params, trees.tree_from_paths(tree_paths), target.cfg.num_layers)
         return cls(arch, params, num_draft_tokens, target.cfg.num_layers)

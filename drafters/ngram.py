@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from drafters import register
-from specdec.drafter import Drafter, RoundContext
-from specdec.verify import Draft
+from specdec.drafter import Draft, Drafter, RoundContext
 
 
 def lookup_continuation(seq: jax.Array, seq_len: jax.Array, n: int) -> jax.Array:

@@ -48,8 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafters import register
-from specdec.drafter import Drafter, PromptInfo, RoundContext
-from specdec.verify import Draft
+from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
 
 
 # Finished outputs shorter than this are not added to the global corpus. They carry almost no statistics,

@@ -19,10 +19,9 @@ from typing import Sequence
 from specdec import sharding
 from specdec.config import ExperimentConfig, MeshConfig, TargetConfig, VerifyConfig
 from specdec.target import Target
+from specdec.verify import Policy, get_policy
 
 TINY_NAMES = ("tiny",)
-TINY_WEIGHT_SCALE = 0.35  # peaky random logits, so greedy text repeats and lookup drafters get accepted
-CHAIN_TO_TREE = {"greedy_chain": "greedy_tree", "rejection_chain": "multidraft_tree"}
 
 
 def plain_conversation(messages: Sequence[dict]) -> str:
@@ -83,11 +82,10 @@ def codec_for(target: Target):
 
 @functools.lru_cache(maxsize=2)
 def _cached_target(name: str, dtype: str, backend: str, seed: int) -> Target:
-    if name in TINY_NAMES:
-        from specdec.models.config import tiny_config
-        from specdec.target import random_target
+    if name in TINY_NAMES:  # peaky random logits, so greedy text repeats and lookup drafters get accepted
+        from specdec.testing import peaky_target
 
-        return random_target(tiny_config(dtype=dtype), seed=seed, backend=backend, scale=TINY_WEIGHT_SCALE)
+        return peaky_target(seed, backend, dtype=dtype)
     from specdec.target import load_target
 
     return load_target(name, backend=backend, dtype=dtype)
@@ -167,18 +165,17 @@ def build_drafter(cfg: ExperimentConfig, target: Target):
     return drafter, params
 
 
-def effective_policy(verify: VerifyConfig, drafter) -> tuple[str, str | None]:
-    """The policy to run and a note when it differs from the config: a chain policy on a tree drafter runs
-    as its tree counterpart (greedy_chain -> greedy_tree, rejection_chain -> multidraft_tree; same rule)."""
-    from specdec.verify.typical import DEFAULT_DELTA, DEFAULT_EPSILON
-
-    policy = verify.policy
-    if policy == "typical" and (verify.eps != DEFAULT_EPSILON or verify.delta != DEFAULT_DELTA):
-        raise ValueError(f"verify.eps/verify.delta: the engine runs typical acceptance with its defaults "
-                         f"(eps={DEFAULT_EPSILON}, delta={DEFAULT_DELTA}); other values are not supported yet")
-    if drafter.kind == "tree" and policy in CHAIN_TO_TREE:
-        return CHAIN_TO_TREE[policy], f"{policy} on the tree drafter {drafter.name!r} runs as {CHAIN_TO_TREE[policy]}"
-    return policy, None
+def effective_policy(verify: VerifyConfig, drafter) -> tuple[Policy, str | None]:
+    """The policy to run, with the options of `verify:` it takes (typical: eps, delta), and a note when it
+    differs from the config: a chain policy on a tree drafter runs as its tree counterpart (greedy_chain ->
+    greedy_tree, rejection_chain -> multidraft_tree; same rule)."""
+    name, note = verify.policy, None
+    counterpart = get_policy(name).tree_counterpart
+    if drafter.kind == "tree" and counterpart is not None:
+        name, note = counterpart, f"{name} on the tree drafter {drafter.name!r} runs as {counterpart}"
+    policy = get_policy(name)
+    config_options = {"epsilon": verify.eps, "delta": verify.delta}  # the policy option each `verify:` key sets
+    return policy.with_options(**{k: v for k, v in config_options.items() if k in dict(policy.options)}), note
 
 
 def drafter_label(drafter, params: dict) -> str:

@@ -80,6 +80,7 @@ def cmd_generate(args) -> int:
     from specdec.generate import ar_metrics, generate
     from specdec.sampling import SamplingParams
     from specdec.target import load_target
+    from specdec.verify import get_policy
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     target = load_target(args.model, backend=args.backend)
@@ -94,7 +95,7 @@ def cmd_generate(args) -> int:
             name, params["path"] = None, name
         drafter = create_drafter(name, target, args.num_draft_tokens, **params)
         policy = args.policy or ("greedy_tree" if drafter.kind == "tree" else "greedy_chain")
-        if not sampling.greedy and policy.startswith("greedy"):
+        if not sampling.greedy and get_policy(policy).greedy_only:
             policy = "multidraft_tree" if drafter.kind == "tree" else "rejection_chain"
         scheduler = AdaptiveWidth() if args.scheduler == "adaptive" else None
         out = speculative_generate(target, drafter, prompts, policy=policy, max_new_tokens=args.max_new_tokens,

@@ -134,12 +134,12 @@ def _at(tokens: Sequence[int], j: int):
     return tokens[j] if j < len(tokens) else "<ended>"  # a row that stopped at EOS earlier
 
 
-def check_sampled(target, drafter, prompts: dict[str, Sequence[int]], *, policy: str, sampling,
+def check_sampled(target, drafter, prompts: dict[str, Sequence[int]], *, policy, sampling,
                   rows: int = DEFAULT_ROWS, prefix: int = DEFAULT_PREFIX, seed: int = 0,
                   alpha: float = DEFAULT_ALPHA, max_seq_len: int | None = None, scheduler=None,
                   verify_buckets=None) -> LosslessResult:
-    """The statistical check for temperature > 0 (see the module docstring); `scheduler` and `verify_buckets`
-    as in the run."""
+    """The statistical check for temperature > 0 (see the module docstring); `policy` (a name or a
+    `specdec.verify.Policy`), `scheduler` and `verify_buckets` as in the run."""
     from specdec.engine import speculative_generate
     from specdec.generate import generate
 

@@ -62,9 +62,10 @@ from experiments.datasets import Prompt, fill_own_answers, load_all
 from experiments.lossless import LosslessError, LosslessResult, check_greedy, check_sampled, skipped
 from experiments.provenance import load_average, provenance
 from experiments.quality import METRIC, score_all
-from experiments.tracking import Tracker, make_tracker
+from experiments.tracking import make_tracker
 from specdec.config import ExperimentConfig, to_dict, to_yaml
 from specdec.metrics import DecodeMetrics, merge, speedup
+from specdec.tracking import Tracker
 
 AR, SPEC = "autoregressive", "speculative"
 SEED_NOTE = "batch i is decoded with seed sampling.seed + i (AR and speculative alike)"
@@ -378,7 +379,6 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
 
     from specdec.engine import speculative_generate
     from specdec.generate import ar_metrics, generate
-    from specdec.verify import get_policy
 
     check_supported(cfg)
     name = cfg.output.name or "run"
@@ -396,11 +396,10 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
     fill_own_answers(prompts, own_answers(target, codec, chat, cfg, paths.own_answers, echo))
     ids = {p.key: encode_prompt(codec, p, chat) for p in prompts}
     drafter, dparams = build_drafter(cfg, target)
-    policy_name, policy_note = effective_policy(cfg.verify, drafter)
+    policy, policy_note = effective_policy(cfg.verify, drafter)
     # the engine's per-round choices of what to verify: the scheduler and the verify-width buckets
     engine_opts = {"scheduler": build_scheduler(cfg, target, drafter, log=echo),
                    "verify_buckets": cfg.verify.buckets}
-    policy = get_policy(policy_name)
     sampling = cfg.sampling.to_params()
     label = drafter_label(drafter, dparams)
     batches = plan_batches(prompts, cfg.generation.batch_size)
@@ -409,7 +408,7 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
 
     counts = ", ".join(f"{d}: {sum(1 for p in prompts if p.dataset == d)}"
                        for d in dict.fromkeys(p.dataset for p in prompts))
-    echo(f"{name}: {len(prompts)} prompts ({counts}); {label} / {policy_name}; batch {gen.batch_size}, "
+    echo(f"{name}: {len(prompts)} prompts ({counts}); {label} / {policy.name}; batch {gen.batch_size}, "
          f"T={cfg.sampling.temperature:g}, {gen.max_new_tokens} new tokens -> {paths.root}/")
     own_tracker = tracker is None
     if own_tracker:
@@ -425,7 +424,7 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
         return out.tokens, ar_metrics(out), [[1] * max(len(t) - 1, 0) for t in out.tokens]
 
     def decode_spec(batch_ids, seed):
-        out = speculative_generate(target, drafter, batch_ids, policy=policy_name, max_new_tokens=gen.max_new_tokens,
+        out = speculative_generate(target, drafter, batch_ids, policy=policy, max_new_tokens=gen.max_new_tokens,
                                    sampling=sampling, seed=seed, compiled=compiled, max_seq_len=max_len,
                                    warmup=cfg.eval.warmup, **engine_opts)
         return out.tokens, out.metrics, out.accept_lengths
@@ -498,7 +497,7 @@ def run_experiment(cfg: ExperimentConfig, *, out_dir: str | Path | None = None, 
             tracker.finish()
 
 
-def _draft_verify_split(paths, target, drafter, policy_name, sampling, batches, ids, cfg, spec_m, compiled, echo,
+def _draft_verify_split(paths, target, drafter, policy, sampling, batches, ids, cfg, spec_m, compiled, echo,
                         name, engine_opts) -> dict:
     """Draft vs verify seconds: from the timed run when it was host-stepped, else from a profiling pass."""
     from specdec.engine import speculative_generate
@@ -511,7 +510,7 @@ def _draft_verify_split(paths, target, drafter, policy_name, sampling, batches, 
         else:
             first = [ids[p.key] for p in batches[0]]
             echo(f"{name}: draft/verify profiling pass (host-stepped, {len(first)} prompts) ...")
-            out = speculative_generate(target, drafter, first, policy=policy_name,
+            out = speculative_generate(target, drafter, first, policy=policy,
                                        max_new_tokens=cfg.generation.max_new_tokens, sampling=sampling,
                                        seed=cfg.sampling.seed, compiled=False, max_seq_len=cfg.model.max_seq_len,
                                        warmup=True, **engine_opts)
@@ -546,7 +545,7 @@ def _lossless(cfg, prompts, ids, stores, target, drafter, policy, sampling, deco
         if len(checked) < min(n, len(keys)):
             raise RuntimeError("internal: fewer AR outputs than lossless_check.samples")
         return check_greedy(ar_tokens, spec_tokens, checked)
-    return check_sampled(target, drafter, {k: ids[k] for k in sample_keys}, policy=policy.name, sampling=sampling,
+    return check_sampled(target, drafter, {k: ids[k] for k in sample_keys}, policy=policy, sampling=sampling,
                          seed=cfg.sampling.seed + 10_000, max_seq_len=cfg.model.max_seq_len,
                          **engine_opts)
 
@@ -559,7 +558,7 @@ def _finish(cfg, name, paths, prompts, ids, stores, tracker, target, drafter, la
         groups[batch_group(batch)] = groups.get(batch_group(batch), 0) + len(batch)
     categories = list(groups)
     by_category = {c: _category_block(stores[AR].merged(c), stores[SPEC].merged(c), n) for c, n in groups.items()}
-    split = _draft_verify_split(paths, target, drafter, policy.name, sampling, batches, ids, cfg, spec_m, compiled,
+    split = _draft_verify_split(paths, target, drafter, policy, sampling, batches, ids, cfg, spec_m, compiled,
                                 echo, name, engine_opts)
     if not sampling.greedy and policy.lossless and cfg.eval.lossless_check.samples:
         echo(f"{name}: sampled lossless check ({cfg.eval.lossless_check.samples} prompts x 128 samples) ...")

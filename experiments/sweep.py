@@ -28,8 +28,9 @@ from typing import Callable, Sequence
 
 from experiments import plots
 from experiments.run import run_experiment
-from experiments.tracking import Tracker, make_tracker
+from experiments.tracking import make_tracker
 from specdec.config import SweepConfig, expand_sweep, load_sweep, to_dict
+from specdec.tracking import Tracker
 
 
 class SweepError(RuntimeError):

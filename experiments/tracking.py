@@ -1,4 +1,5 @@
-"""Experiment trackers: one interface, three implementations.
+"""Experiment trackers: the interface and the no-service trackers are the library's (specdec/tracking.py);
+here is Weights & Biases, and `make_tracker`, which builds the tracker a config's `tracking:` asks for.
 
     tracker = make_tracker(cfg.tracking, run_name="quickstart", out_dir=Path("runs/quickstart"), config=cfg_dict)
     tracker.log_metrics({"tau": 2.1}); tracker.log_summary(summary); tracker.log_table("records", cols, rows)
@@ -12,8 +13,7 @@
   manifest + summary, an exported drafter); `use_artifact` declares one as this run's input (W&B lineage: the
   data a drafter was trained on). W&B refuses `use_artifact` offline, so there the input is recorded in the run's
   config under `inputs/<name>` (its files' digests), which `wandb sync` uploads with the run.
-- `MemoryTracker`: keeps everything in Python lists (tests inspect it).
-- `NullTracker`: drops everything.
+- `MemoryTracker` (keeps everything; tests inspect it) and `NullTracker` (drops everything): specdec.tracking.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from specdec.config import TrackingConfig
+from specdec.tracking import MemoryTracker, NullTracker, Tracker, existing_files
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -43,89 +44,6 @@ def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-class Tracker:
-    """The interface every experiment logs through."""
-
-    def log_config(self, config: dict) -> None: ...
-
-    def log_metrics(self, metrics: dict, step: int | None = None) -> None: ...
-
-    def log_summary(self, summary: dict) -> None: ...
-
-    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None: ...
-
-    def log_image(self, name: str, path: str | Path) -> None: ...
-
-    def log_artifact(self, name: str, kind: str, files: Sequence[str | Path], metadata: dict | None = None) -> None:
-        ...
-
-    def use_artifact(self, name: str, kind: str, files: Sequence[str | Path], metadata: dict | None = None) -> None:
-        ...
-
-    run_id: str | None = None
-
-    def finish(self) -> None: ...
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.finish()
-        return False
-
-
-class NullTracker(Tracker):
-    pass
-
-
-class MemoryTracker(Tracker):
-    """Everything logged, in memory. `finished` says whether `finish` was called."""
-
-    def __init__(self, name: str = "", group: str | None = None, tags: Sequence[str] = ()):
-        self.name, self.group, self.tags = name, group, tuple(tags)
-        self.config: dict = {}
-        self.metrics: list[tuple[int | None, dict]] = []
-        self.summary: dict = {}
-        self.tables: dict[str, tuple[list[str], list[list[Any]]]] = {}
-        self.images: dict[str, str] = {}
-        self.artifacts: dict[str, dict] = {}  # logged: name -> {"kind", "files", "metadata"}
-        self.inputs: dict[str, dict] = {}  # used
-        self.finished = False
-
-    def log_config(self, config):
-        self.config.update(config)
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append((step, dict(metrics)))
-
-    def log_summary(self, summary):
-        self.summary.update(summary)
-
-    def log_table(self, name, columns, rows):
-        self.tables[name] = (list(columns), [list(r) for r in rows])
-
-    def log_image(self, name, path):
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"image {path} does not exist")
-        self.images[name] = str(path)
-
-    def log_artifact(self, name, kind, files, metadata=None):
-        self.artifacts[name] = {"kind": kind, "files": _existing(files), "metadata": dict(metadata or {})}
-
-    def use_artifact(self, name, kind, files, metadata=None):
-        self.inputs[name] = {"kind": kind, "files": _existing(files), "metadata": dict(metadata or {})}
-
-    def finish(self):
-        self.finished = True
-
-
-def _existing(files) -> list[str]:
-    missing = [str(f) for f in files if not Path(f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"artifact files do not exist: {', '.join(missing)}")
-    return [str(f) for f in files]
 
 
 def _digest(path: str) -> str:
@@ -169,7 +87,7 @@ class WandbTracker(Tracker):
 
     def _artifact(self, name, kind, files, metadata):
         artifact = self._wandb.Artifact(name, type=kind, metadata=dict(metadata or {}))
-        for f in _existing(files):
+        for f in existing_files(files):
             artifact.add_file(f)
         return artifact
 
@@ -180,7 +98,7 @@ class WandbTracker(Tracker):
         if self.mode == "online":
             self.run.use_artifact(self._artifact(name, kind, files, metadata))
         else:  # offline W&B has no artifact lineage: keep the reference (and the files' digests) in the config
-            ref = {"kind": kind, "files": {Path(f).name: _digest(f) for f in _existing(files)},
+            ref = {"kind": kind, "files": {Path(f).name: _digest(f) for f in existing_files(files)},
                    "metadata": dict(metadata or {})}
             self.run.config.update({f"inputs/{name}": json.dumps(ref, sort_keys=True)}, allow_val_change=True)
 

@@ -36,6 +36,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from specdec.verify.registry import POLICY_NAMES, get_policy
+from specdec.verify.typical import DEFAULT_DELTA, DEFAULT_EPSILON
+
 
 class ConfigError(ValueError):
     """A configuration problem. `key` is the full dotted key ("sampling.temperature"), `reason` the rest."""
@@ -68,8 +71,7 @@ def _at_least(obj: Any, low: float, *names: str) -> None:
 # The schema. Defaults make a near-empty YAML file valid.
 # ---------------------------------------------------------------------------------------------------------
 
-Policy = Literal["greedy_chain", "rejection_chain", "greedy_tree", "multidraft_tree", "typical"]
-GREEDY_POLICIES = ("greedy_chain", "greedy_tree")  # exact only at temperature 0
+PolicyName = Literal[POLICY_NAMES]  # the registered verification policies (specdec/verify/registry.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +131,10 @@ class TreeConfig:
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
     """`verify:` the acceptance rule. `tree` is used by the tree policies (chain policies ignore it)."""
-    policy: Policy = "greedy_chain"
+    policy: PolicyName = "greedy_chain"
     tree: TreeConfig | None = None
-    eps: float = 0.09  # typical acceptance: hard posterior threshold (Medusa's epsilon)
-    delta: float = 0.3  # typical acceptance: entropy-adaptive threshold scale
+    eps: float = DEFAULT_EPSILON  # typical acceptance: hard posterior threshold (Medusa's epsilon)
+    delta: float = DEFAULT_DELTA  # typical acceptance: entropy-adaptive threshold scale
     # Verify widths (specdec/engine.py `bucket_widths`): a round whose rows all have few valid draft nodes (an
     # n-gram miss, a short schedule) runs a narrower target step. "none": always all N + 1 positions; "auto":
     # 1, 2, 4, ... tokens per row, then N + 1; or a list of draft-node counts in [0, N].
@@ -357,7 +359,7 @@ class ExperimentConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
-        _require(self.verify.policy not in GREEDY_POLICIES or self.sampling.temperature == 0, "verify.policy",
+        _require(not get_policy(self.verify.policy).greedy_only or self.sampling.temperature == 0, "verify.policy",
                  f"{self.verify.policy!r} is exact only at sampling.temperature 0 (got {self.sampling.temperature}); "
                  "use rejection_chain / multidraft_tree / typical for sampling")
 

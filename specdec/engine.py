@@ -25,7 +25,7 @@ import numpy as np
 
 from specdec import trees
 from specdec.adaptive import AdaptiveWidth, load_or_measure_round_costs, measure_round_costs, cost_key
-from specdec.drafter import Drafter, PromptInfo, RoundContext
+from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, VerifyResult
 from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill
 from specdec.metrics import DecodeMetrics
 from specdec.models import transformer
@@ -33,7 +33,7 @@ from specdec.models.transformer import KVCache
 from specdec.sampling import GREEDY, SamplingParams, sample
 from specdec.sharding import to_host
 from specdec.target import Target
-from specdec.verify import Draft, VerifyResult, get_policy
+from specdec.verify import Policy, get_policy
 from specdec.verify.base import commit as commit_result
 
 
@@ -68,7 +68,7 @@ class LoopSpec:
     cfg: Any
     forward: Any
     drafter: Drafter
-    policy: Any
+    policy: Policy
     sampling: SamplingParams
     eos_ids: tuple[int, ...]
     scheduler: Any = None  # scheduling.Scheduler or adaptive.AdaptiveWidth; None: verify every drafted token
@@ -397,11 +397,12 @@ class SpecOutput:
 
 
 def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
-                         policy: str = "greedy_chain", max_new_tokens: int = 64,
+                         policy: str | Policy = "greedy_chain", max_new_tokens: int = 64,
                          sampling: SamplingParams = GREEDY, seed: int = 0, compiled: bool | None = None,
                          max_seq_len: int | None = None, warmup: bool = False, scheduler=None,
                          verify_buckets=None, on_round=None) -> SpecOutput:
-    """Speculative decoding of a batch of token-id prompts with any drafter and verification policy.
+    """Speculative decoding of a batch of token-id prompts with any drafter and verification policy: a policy
+    name (with its default options) or a `specdec.verify.Policy` (`get_policy("typical", epsilon=0.05)`).
 
     `scheduler` (a `specdec.scheduling.Scheduler`) chooses each row's verify length per round from the drafter's
     `draft_confidence`; None verifies every drafted token. `verify_buckets` ("auto" or draft-node counts, see
@@ -417,9 +418,9 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     `warmup=True` first runs the same compiled programs for one round (untimed), so the reported times
     exclude compilation.
     """
-    pol = get_policy(policy)
+    pol = get_policy(policy) if isinstance(policy, str) else policy
     if drafter.kind == "tree" and not pol.supports_trees:
-        raise ValueError(f"policy {policy!r} verifies chains only, but drafter {drafter.name!r} proposes trees; "
+        raise ValueError(f"policy {pol.name!r} verifies chains only, but drafter {drafter.name!r} proposes trees; "
                          "use greedy_tree, multidraft_tree or typical")
     if scheduler is not None and scheduler.needs_confidence:
         if drafter.kind != "chain" or not drafter.has_confidence:
@@ -454,7 +455,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
                                          force_refine=jnp.asarray(0, jnp.int32))
             _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=forced)
     if adaptive:
-        costs = round_costs(spec, target, drafter, tokens, lengths, capacity, compiled, policy)
+        costs = round_costs(spec, target, drafter, tokens, lengths, capacity, compiled)
         sched = scheduler.init_state(len(tokens), n, costs)
     return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round,
                 sched_state=sched)
@@ -463,8 +464,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
 PROFILE_ROUNDS = 16  # loop iterations per forced width when measuring round costs
 
 
-def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, lengths, capacity: int, compiled: bool,
-                policy: str):
+def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, lengths, capacity: int, compiled: bool):
     """The adaptive width's round costs for this loop (cached per machine, model, drafter, batch and capacity;
     measured on first use by running this very loop with each width forced, on random prompts of the same
     shapes, so the compiled programs are the ones the real run uses)."""
@@ -488,7 +488,7 @@ def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, length
                        sched_state=state)
         return out.metrics.decode_seconds / max(sum(out.metrics.width_rounds), 1)
 
-    key = cost_key(target, drafter, policy, spec.sampling, len(tokens), capacity, spec.verify_widths)
+    key = cost_key(target, drafter, spec.policy.name, spec.sampling, len(tokens), capacity, spec.verify_widths)
     return load_or_measure_round_costs(key, lambda: measure_round_costs(run_forced, len(spec.verify_widths)),
                                        sched.cost_path, sched.reprofile)
 

@@ -66,8 +66,3 @@ def sample(key: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
     if sp.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, processed_logits(logits, sp), axis=-1).astype(jnp.int32)
-
-
-def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """Draw from an explicit (possibly unnormalised, non-negative) distribution [..., V]."""
-    return jax.random.categorical(key, jnp.log(jnp.maximum(probs, 0.0)), axis=-1).astype(jnp.int32)

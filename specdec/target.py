@@ -69,6 +69,12 @@ class Target:
         """forward(params, cfg, cache, tokens, positions=None, tree_mask=None, *, taps=(), logits_at=None)."""
         return self.backend.forward
 
+    def output_projection(self) -> jax.Array:
+        """The lm_head as [H, V] (the transposed embedding when the model ties them): what drafters that share
+        or start from the target's head take (the step itself applies it in `transformer.final_logits`)."""
+        p = self.params
+        return jnp.asarray(p["embed"]).T if self.cfg.tie_word_embeddings else jnp.asarray(p["lm_head"])
+
     def init_cache(self, batch_size: int, capacity: int) -> transformer.KVCache:
         return transformer.init_cache(self.cfg, batch_size, capacity, stacked=self.backend.stacked)
 

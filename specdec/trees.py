@@ -1,7 +1,7 @@
 """Token trees: static tree shapes, the tree attention mask, dynamic (EAGLE-2) tree selection, and KV-cache
 compaction after a tree verify.
 
-Conventions (shared with `specdec.verify.Draft` and `specdec.models.transformer.forward`):
+Conventions (shared with `specdec.drafter.Draft` and `specdec.models.transformer.forward`):
 - A tree of N nodes hangs below a root, the last committed token. Node i has a parent index in [-1, i): -1 is
   the root, and parents always come before their children (topological order), so a single left-to-right
   pass sees every parent before its children.
@@ -15,14 +15,14 @@ Conventions (shared with `specdec.verify.Draft` and `specdec.models.transformer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec.drafter import Draft
 from specdec.models.transformer import KVCache
-from specdec.verify.base import Draft
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -227,6 +227,54 @@ def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array
     draft = Draft(tokens=jnp.take_along_axis(tokens, chosen, axis=1).astype(jnp.int32),
                   parents=new_parent.astype(jnp.int32), probs=kept_probs, valid=kept_valid)
     return draft, chosen
+
+
+def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, depth: int, num_nodes: int,
+                      root_inputs: Any = None, to_target: Callable | None = None) -> Draft:
+    """EAGLE-2's dynamic tree, grown from a drafter's logits at the root [B, V]: expand the `top_k` best nodes
+    of each depth by their `top_k` most likely children for `depth` levels, then keep the `num_nodes`
+    candidates with the highest cumulative draft log-probability (`select_dynamic_tree`).
+
+    The drafter supplies one model step, `expand(tokens, depth, mask, inputs) -> (logits, outputs)`, run once per
+    level over every node expanded so far, in expansion order: tokens int32 [B, W], depth int32 [B, W] below
+    the root (1 = a child of the root), the ancestor mask bool [B, W, W], and the nodes' `inputs` (what their
+    parents output; None for a drafter that needs none). It returns the logits [B, top_k, V] of the last
+    `top_k` nodes (the frontier just expanded) and their `outputs` [B, top_k, ...] (or None), which become
+    their children's inputs; `root_inputs` [B, top_k, ...] are the depth-1 nodes' inputs. `to_target` maps
+    draft-vocabulary ids to target ids (a reduced draft vocabulary). Candidates are top-k picks, not samples,
+    so the draft is deterministic (probs=None): multidraft_tree verifies it losslessly at any temperature.
+    """
+    k = top_k
+    to_target = to_target or (lambda ids: ids)
+    front_score, front_ids = jax.lax.top_k(jax.nn.log_softmax(root_logits), k)  # the depth-1 frontier
+    front_tokens = to_target(front_ids)
+    batch = front_tokens.shape[0]
+    front_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
+    at_root = jnp.full((batch, k), -1, jnp.int32)
+    cand_tokens, cand_parents, cand_scores = [front_tokens], [at_root], [front_score]
+    exp_tokens, exp_parents, exp_inputs = front_tokens, at_root, root_inputs
+    offset = k
+    for _ in range(1, depth):  # static loop over tree depth
+        mask, node_depth = tree_attention(exp_parents)
+        logits, outputs = expand(exp_tokens, node_depth[:, 1:], mask[:, 1:, 1:], exp_inputs)
+        width = exp_tokens.shape[1]
+        child_score, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits), k)  # [B, k, k]
+        child_score = (front_score[:, :, None] + child_score).reshape(batch, k * k)
+        child_tokens = to_target(child_ids).reshape(batch, k * k)
+        cand_tokens.append(child_tokens)
+        cand_parents.append(jnp.repeat(front_cand, k, axis=1))
+        cand_scores.append(child_score)
+        front_score, pick = jax.lax.top_k(child_score, k)  # the next level expands the k best children
+        front_cand = (offset + pick).astype(jnp.int32)
+        parent = pick // k  # among the frontier just expanded
+        exp_tokens = jnp.concatenate([exp_tokens, jnp.take_along_axis(child_tokens, pick, 1)], 1)
+        exp_parents = jnp.concatenate([exp_parents, (width - k + parent).astype(jnp.int32)], 1)
+        exp_inputs = jax.tree.map(lambda a, out: jnp.concatenate([a, jnp.take_along_axis(out, parent[..., None], 1)], 1),
+                                  exp_inputs, outputs)
+        offset += k * k
+    draft, _ = select_dynamic_tree(jnp.concatenate(cand_tokens, 1), jnp.concatenate(cand_parents, 1),
+                                   jnp.concatenate(cand_scores, 1), num_nodes)
+    return draft
 
 
 # ----------------------------------------------------------------------------------------------------------

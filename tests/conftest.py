@@ -5,6 +5,11 @@
   with `Target.from_params(cfg, params, tokenizer, backend=...)` instead of loading again.
 - `real_target`: that checkpoint as a reference-backend `Target` (session-scoped; treat it as read-only).
 - `tiny_cfg` / `tiny_target`: a two-layer random-weight config and target (no tokenizer) for fast tests.
+- `peaky_target`: the same model with peaky weights (`specdec.testing.peaky_target(seed=0)`), what the engine
+  and drafter tests decode with.
+
+Helpers shared between test files (the exact-enumeration losslessness checks, the draft-q check, the engine
+tests' prompts) live in `specdec/testing.py`, not in a test file.
 """
 
 from __future__ import annotations
@@ -41,3 +46,10 @@ def tiny_target(tiny_cfg):
     from specdec.target import random_target
 
     return random_target(tiny_cfg, seed=0)
+
+
+@pytest.fixture(scope="session")
+def peaky_target():
+    from specdec.testing import peaky_target
+
+    return peaky_target(seed=0)

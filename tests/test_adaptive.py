@@ -13,12 +13,11 @@ from drafters import create_drafter
 from specdec import adaptive, engine
 from specdec.adaptive import AdaptiveWidth
 from specdec.config import SchedulerConfig
+from specdec.drafter import Draft
 from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.scheduling import make_scheduler
-from specdec.verify import Draft
-from tests.test_engine import (PROMPTS, SAMPLING, assert_lossless, distribution_target, make_target,
-                               sampled_joint)
+from specdec.testing import PROMPTS, SAMPLING, assert_lossless, distribution_target, peaky_target, sampled_joint
 
 # Costs for widths (0, 1, 3, 4) (a 4-node draft with auto buckets) under which both skipping and verifying win,
 # depending on a row's history: rounds of every width are exercised.
@@ -189,7 +188,7 @@ def adaptive_drafters(target):
 
 
 def test_adaptive_greedy_equals_ar_with_rounds_of_every_width():
-    target = make_target(3)
+    target = peaky_target(3)
     ar = generate(target, PROMPTS, max_new_tokens=17)
     for name, drafter in adaptive_drafters(target).items():
         policy = "greedy_tree" if drafter.kind == "tree" else "greedy_chain"
@@ -221,7 +220,7 @@ def test_adaptive_sampled_output_matches_target_distribution():
 
 
 def test_round_costs_are_measured_in_the_loop_once_and_cached(tmp_path, monkeypatch):
-    target = make_target(4)
+    target = peaky_target(4)
     drafter = create_drafter("ngram", target, 4, max_ngram=2)
     path = tmp_path / "costs.json"
     sched = AdaptiveWidth(cost_path=str(path))
@@ -249,7 +248,7 @@ def test_adaptive_config_and_bad_inputs():
         AdaptiveWidth(prior=0.0)
     with pytest.raises(ValueError, match="seconds per round"):
         AdaptiveWidth(costs=((1.0, -1.0), 0.0))
-    target = make_target(0)
+    target = peaky_target(0)
     with pytest.raises(ValueError, match=r"3 round costs.*\[0, 1, 3, 4\]"):
         speculative_generate(target, create_drafter("ngram", target, 4), PROMPTS, max_new_tokens=5,
                              scheduler=AdaptiveWidth(costs=((1.0, 1.0, 1.0), 0.0)))

@@ -19,8 +19,8 @@ from specdec.generate import generate, prefill
 from specdec.models.config import tiny_config
 from specdec.scheduling import Scheduler
 from specdec.target import random_target
+from specdec.testing import assert_draft_matches_its_q, assert_lossless, distribution_target, sampled_joint
 from specdec.train.features import online_features
-from tests.test_engine import assert_draft_matches_its_q, assert_lossless, distribution_target, sampled_joint
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
 G = 4

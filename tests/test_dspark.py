@@ -155,7 +155,7 @@ def test_confidence_is_calibrated_for_the_sampling_temperature(monkeypatch):
 def test_dspark_samples_from_its_q():
     """The drafted tokens' frequencies match the returned q (T=0.7, top-k, top-p; tests/test_engine.py): the
     Markov head makes q_j depend on the drafted x_{j-1}, so this checks the sequential draws slot by slot."""
-    from tests.test_engine import assert_draft_matches_its_q
+    from specdec.testing import assert_draft_matches_its_q
     from tests.test_scheduling import random_dspark
 
     target = random_target(tiny_config(), seed=3, scale=0.35)

@@ -11,25 +11,22 @@ import numpy as np
 import pytest
 
 from drafters import eagle3
-from specdec.drafter import PromptInfo, RoundContext
+from specdec.drafter import PromptInfo, RoundContext, VerifyResult
 from specdec.engine import speculative_generate
 from specdec.generate import generate, prefill
 from specdec.models import transformer
-from specdec.models.config import tiny_config
 from specdec.sampling import GREEDY
-from specdec.target import random_target
+from specdec.testing import PROMPTS, peaky_target
 from specdec.train import tasks as T
 from specdec.train.features import TargetFeatures, online_features
-from specdec.verify.base import VerifyResult
 
-PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
 WIDTH = 16  # reference sequences are right-padded to one length (causal: padding never changes earlier slots)
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def target():
-    return random_target(tiny_config(), seed=3, scale=0.35)
+    return peaky_target(3)
 
 
 def noisy(params, seed, scale=0.05):
@@ -202,8 +199,8 @@ def test_eagle3_tree_levels_fit_at_the_context_edge(target, monkeypatch):
 
 
 def test_eagle3_samples_from_its_q(target):
-    """The drafted tokens' frequencies match the returned q (T=0.7, top-k, top-p; tests/test_engine.py), with a
+    """The drafted tokens' frequencies match the returned q (T=0.7, top-k, top-p; specdec/testing.py), with a
     reduced draft vocabulary (q mapped back to target ids)."""
-    from tests.test_engine import assert_draft_matches_its_q
+    from specdec.testing import assert_draft_matches_its_q
 
     assert_draft_matches_its_q(target, make(target, 64, k=3)[3])

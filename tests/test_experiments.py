@@ -19,9 +19,9 @@ from experiments.plots import pareto_front
 from experiments.quality import extract_final_number, gsm8k_correct, humaneval_passed, mbpp_passed, score_all
 from experiments.run import RunInterrupted, batch_group, make_record, plan_batches, run_experiment
 from experiments.sweep import run_sweep
-from experiments.tracking import MemoryTracker
 from specdec.config import DatasetConfig, ConfigError, load_config
 from specdec.metrics import DecodeMetrics
+from specdec.tracking import MemoryTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -110,6 +110,24 @@ def test_verify_buckets_reach_the_engine(tmp_path, monkeypatch):
                              progress=False, echo=quiet)
     assert seen and all(b == (0, 1) for b in seen), seen
     assert summary["lossless"]["passed"]
+
+
+def test_effective_policy_takes_the_verify_options_and_the_tree_counterpart():
+    """`verify.eps` / `verify.delta` become the typical policy's options (no longer refused); a chain policy on
+    a tree drafter runs as its tree counterpart, with a note."""
+    from types import SimpleNamespace
+
+    from experiments.build import effective_policy
+    from specdec.config import VerifyConfig
+    from specdec.verify import get_policy
+
+    chain, tree = SimpleNamespace(kind="chain", name="ngram"), SimpleNamespace(kind="tree", name="suffix")
+    policy, note = effective_policy(VerifyConfig(policy="typical", eps=0.05, delta=0.2), chain)
+    assert policy == get_policy("typical", epsilon=0.05, delta=0.2) and note is None
+    assert effective_policy(VerifyConfig(policy="rejection_chain", eps=0.05), chain) == (
+        get_policy("rejection_chain"), None)
+    policy, note = effective_policy(VerifyConfig(policy="greedy_chain"), tree)
+    assert policy == get_policy("greedy_tree") and "runs as greedy_tree" in note
 
 
 def test_rerun_of_a_finished_run_is_skipped_and_a_changed_config_refused(tmp_path):
@@ -590,10 +608,9 @@ def test_compare_rows_with_and_without_verify_buckets():
     """The quickstart's comparison: the same drafter with the engine's narrow verify steps is its own row, and
     both equal AR token for token."""
     from experiments.compare import DrafterSpec, compare, table
-    from specdec.models.config import tiny_config
-    from specdec.target import random_target
+    from specdec.testing import peaky_target
 
-    target = random_target(tiny_config(), seed=1, scale=0.35)
+    target = peaky_target(1)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12]]
     rows = compare(target, prompts, [DrafterSpec("ngram", 4, {"max_ngram": 2}),
                                      DrafterSpec("ngram", 4, {"max_ngram": 2}, buckets="auto")], max_new_tokens=12)

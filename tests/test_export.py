@@ -29,6 +29,7 @@ from specdec.export import eagle3 as E
 from specdec.generate import generate, prefill
 from specdec.models.config import tiny_config
 from specdec.target import random_target
+from specdec.testing import peaky_target
 from specdec.train import checkpoint as ckpt
 from tests.peer_eagle3 import PeerEagle3
 from tests.test_eagle3 import context, engine_round, noisy
@@ -42,7 +43,7 @@ PROMPTS = [[5, 9, 14, 3, 77, 31, 8, 60], [40, 41, 42, 43, 44]]
 
 @pytest.fixture(scope="module")
 def target():
-    return random_target(tiny_config(num_layers=LAYERS), seed=3, scale=0.35)
+    return peaky_target(3, num_layers=LAYERS)
 
 
 def write_run(path, target, taps=TAPS, draft_vocab=DRAFT_VOCAB, seed=1):

@@ -29,8 +29,9 @@ import scipy.stats
 
 import specdec.verify.chain
 import specdec.verify.tree
+from specdec.drafter import Draft
 from specdec.sampling import SamplingParams, probabilities
-from specdec.verify import Draft, get_policy
+from specdec.verify import get_policy
 
 V = 5
 NUM_SAMPLES = 200_000

@@ -11,21 +11,17 @@ import numpy as np
 import pytest
 
 from drafters import medusa
-from specdec.drafter import PromptInfo, RoundContext
+from specdec.drafter import PromptInfo, RoundContext, VerifyResult
 from specdec.engine import speculative_generate
 from specdec.generate import generate, prefill
-from specdec.models.config import tiny_config
 from specdec.sampling import GREEDY
-from specdec.target import random_target
+from specdec.testing import PROMPTS
 from specdec.train.features import TargetFeatures, online_features
-from specdec.verify.base import VerifyResult
-
-PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
 
 
 @pytest.fixture(scope="module")
-def target():
-    return random_target(tiny_config(), seed=0, scale=0.35)
+def target(peaky_target):
+    return peaky_target
 
 
 def make(target, num_heads=3, shared_head=False, k=3, tree_paths=None):
@@ -128,7 +124,7 @@ def test_greedy_medusa_tree_equals_ar(target, policy):
 
 
 def test_medusa_samples_from_its_q(target):
-    """The drafted tokens' frequencies match the returned q (T=0.7, top-k, top-p; tests/test_engine.py)."""
-    from tests.test_engine import assert_draft_matches_its_q
+    """The drafted tokens' frequencies match the returned q (T=0.7, top-k, top-p; specdec/testing.py)."""
+    from specdec.testing import assert_draft_matches_its_q
 
     assert_draft_matches_its_q(target, make(target)[2])

@@ -8,16 +8,15 @@ from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.kernels import interpret_tools as it
 from specdec.kernels import megakernel as mk
-from specdec.models.config import tiny_config
-from specdec.target import random_target
+from specdec.testing import peaky_target
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [20, 21, 20, 21, 20, 21, 20]]
 
 
 @pytest.mark.timeout(300)
 def test_greedy_speculative_megakernel_equals_reference_ar():
-    reference = random_target(tiny_config(), seed=0, scale=0.35)
-    target = random_target(tiny_config(), seed=0, scale=0.35, backend="megakernel")
+    reference = peaky_target(0)
+    target = peaky_target(0, "megakernel")
     ar = generate(reference, PROMPTS, max_new_tokens=10)
     drafter = create_drafter("ngram", target, 4, max_ngram=2)
     with mk.interpret_mode(mk.race_check_params()):  # the engine's loops are traced here: race detector live

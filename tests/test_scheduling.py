@@ -15,19 +15,13 @@ from drafters import create_drafter, dspark
 from drafters.draft_lm import DraftLMDrafter, _prefix_layers
 from specdec import scheduling
 from specdec.config import SchedulerConfig
+from specdec.drafter import Draft
 from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.sampling import SamplingParams
 from specdec.scheduling import Scheduler, prefix_lengths
-from specdec.verify import Draft, get_policy
-from tests.test_engine import (
-    NUM_SAMPLES,
-    PROMPT,
-    assert_biased,
-    assert_lossless,
-    distribution_target,
-    sampled_joint,
-)
+from specdec.testing import NUM_SAMPLES, PROMPT, assert_biased, assert_lossless, distribution_target, sampled_joint
+from specdec.verify import get_policy
 
 LINEAR = ((1, 1.0), (64, 1.0 / 1.63))  # step time 1 + 0.01 (n - 1): SPS falls slowly with the token batch
 
@@ -144,7 +138,7 @@ SCHEDULERS = {
 
 @pytest.mark.parametrize("name", list(SCHEDULERS))
 def test_engine_sampled_output_is_target_distribution_with_dspark(name):
-    """tests/test_engine.py's check (`assert_lossless`: the joint law of 9 tokens at T=0.7 with top-k and top-p
+    """specdec/testing.py's check (`assert_lossless`: the joint law of 9 tokens at T=0.7 with top-k and top-p
     vs exact enumeration, chi-square and TV) with DSpark drafts (sequential sampling, exact q) and the
     scheduler deciding the verify lengths."""
     target = distribution_target()

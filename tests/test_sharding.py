@@ -253,15 +253,14 @@ def _train_run(run: Path, mesh, steps: int = 2, kill_at: int | None = None) -> d
 
     import drafters
     from specdec.config import TrainConfig
-    from specdec.models.config import tiny_config
     from specdec.sharding import shard_target
-    from specdec.target import random_target
+    from specdec.testing import peaky_target
     from specdec.train.data import DistillData
     from specdec.train.loop import train
     from specdec.train.tasks import make_task
 
     drafters.available()
-    target = random_target(tiny_config(), seed=0, backend="reference", scale=0.35)
+    target = peaky_target(0)
     if mesh is not None:
         target = shard_target(target, mesh)
     rng = np.random.default_rng(0)

@@ -23,13 +23,14 @@ import drafters
 from drafters import create_drafter
 from experiments import cli
 from experiments.build import build_target
-from experiments.tracking import MemoryTracker
 from specdec.config import load_config, to_dict
 from specdec.engine import speculative_generate
 from specdec import generate as G
 from specdec.generate import generate
 from specdec.sampling import SamplingParams
 from specdec.target import Target
+from specdec.testing import PROMPTS
+from specdec.tracking import MemoryTracker
 from specdec.train import checkpoint as ckpt
 from specdec.train import data as D
 from specdec.train.features import build_feature_cache, cached_features, online_features
@@ -37,7 +38,6 @@ from specdec.train.loop import TrainingDiverged, initial_weights, train
 from specdec.train.tasks import make_task
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny.yaml")
-PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3]]
 DRAFTERS = {  # name -> (overrides, draft length for greedy decoding)
     "eagle3": (["drafter.name=eagle3"], 3),
     "medusa": (["drafter.name=medusa", "train.drafter_options={num_heads: 3}", "train.lr=0.01"], 3),

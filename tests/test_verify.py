@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specdec.drafter import Draft
 from specdec.sampling import SamplingParams
 from specdec.trees import tree_from_paths
-from specdec.verify import POLICY_NAMES, Draft, Policy, get_policy
+from specdec.verify import POLICY_NAMES, Policy, get_policy
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0)
@@ -394,6 +395,17 @@ def test_registry_flags_and_errors():
     assert get_policy("typical") == get_policy("typical", epsilon=0.09, delta=0.3)
     assert hash(get_policy("typical", delta=0.2)) != hash(get_policy("typical"))
     assert isinstance(get_policy("typical"), Policy)
+
+
+def test_tree_counterparts_keep_the_acceptance_rule():
+    """A chain policy runs as its tree counterpart on tree drafters: a tree policy, greedy iff the chain one is,
+    and lossless iff it is; every chain policy has one."""
+    for name in POLICY_NAMES:
+        policy = get_policy(name)
+        assert (policy.tree_counterpart is None) == policy.supports_trees, name
+        if policy.tree_counterpart is not None:
+            tree = get_policy(policy.tree_counterpart)
+            assert tree.supports_trees and (tree.greedy_only, tree.lossless) == (policy.greedy_only, policy.lossless)
 
 
 @pytest.mark.parametrize("name", ["greedy_chain", "greedy_tree"])

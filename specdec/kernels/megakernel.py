@@ -84,11 +84,6 @@ def set_interpret(value: Any = "auto") -> None:
     _settings["interpret"] = value
 
 
-def set_chip(chip: str | None) -> None:
-    """Module default TPU generation for the VMEM budget (None: detect on TPU, "v5e" elsewhere)."""
-    _settings["chip"] = chip
-
-
 @contextlib.contextmanager
 def interpret_mode(value: Any = "auto", chip: str | None = None):
     """Temporarily set the module defaults: `with interpret_mode(race_check_params()): ...`."""
@@ -545,10 +540,7 @@ def forward(params: dict, cfg: ModelConfig, cache: transformer.KVCache, tokens: 
     tapped = {0: x} if 0 in taps else {}
     for i, l in enumerate(kernel_taps):
         tapped[l] = unpad(outs[1][i])
-    hidden = transformer.rms_norm(unpad(x_out), params["final_norm"], cfg.rms_norm_eps)
-    if logits_at is not None:
-        hidden = jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
-    logits = transformer.lm_head(params, cfg, hidden)
+    hidden, logits = transformer.final_logits(params, cfg, unpad(x_out), logits_at)
     tap_stack = jnp.stack([tapped[l] for l in taps]) if taps else None
     new_cache = dataclasses.replace(cache, k=new_k, v=new_v)
     return transformer.StepOutput(logits=logits, hidden=hidden, taps=tap_stack, cache=new_cache)

@@ -372,6 +372,17 @@ def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     return logits
 
 
+def final_logits(params: Params, cfg: ModelConfig, x: jax.Array,
+                 logits_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The target's head on the residual stream after the last block, x [B, T, H]: the final RMSNorm, then the
+    lm_head. Returns (hidden [B, T or P, H] in the model dtype, float32 logits); `logits_at` int32 [B, P] keeps
+    only those positions, gathered before the lm_head (every backend's step and the cached-feature logits)."""
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps).astype(cfg.jnp_dtype)
+    if logits_at is not None:
+        hidden = jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
+    return hidden, lm_head(params, cfg, hidden)
+
+
 def forward(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
             positions: jax.Array | None = None, tree_mask: jax.Array | None = None, *,
             taps: tuple[int, ...] = (), logits_at: jax.Array | None = None, write_cache: bool = True) -> StepOutput:
@@ -424,10 +435,7 @@ def forward(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
     else:
         new_cache, new_kv = cache, (new_k, new_v)
 
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    if logits_at is not None:
-        hidden = jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
-    logits = lm_head(params, cfg, hidden)
+    hidden, logits = final_logits(params, cfg, x, logits_at)
     tap_stack = jnp.stack([tapped[l] for l in taps]) if taps else None
     return StepOutput(logits=logits, hidden=hidden, taps=tap_stack, cache=new_cache, new_kv=new_kv)
 

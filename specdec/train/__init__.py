@@ -8,5 +8,5 @@
     checkpoint.py  orbax training checkpoints (every N steps, keep K) and the exported drafter (config + params)
 
 Nothing here imports `drafters/` or `experiments/`: drafters register their tasks with `tasks.register_task`,
-and trackers are passed in (any object with `log_metrics` / `log_summary` / `finish`).
+and a tracker is passed in (the `specdec.tracking.Tracker` interface; W&B lives in experiments/).
 """

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -248,7 +247,3 @@ def target_info(target) -> dict:
     cfg = target.cfg
     return {"name": cfg.name, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
             "num_layers": cfg.num_layers}
-
-
-def remove_run(run_dir: str | os.PathLike) -> None:
-    shutil.rmtree(run_dir, ignore_errors=True)

@@ -48,9 +48,9 @@ def online_features(tparams, cfg, forward, tokens: jax.Array, taps: tuple[int, .
 
 
 def logits_from_last(tparams, cfg, last: jax.Array) -> jax.Array:
-    """Target logits from the residual stream after the last block (final norm + lm_head)."""
-    hidden = transformer.rms_norm(last.astype(jnp.float32), tparams["final_norm"], cfg.rms_norm_eps)
-    return transformer.lm_head(tparams, cfg, hidden.astype(cfg.jnp_dtype))
+    """Target logits from the (stored) residual stream after the last block: the norm in float32 whatever
+    the stored dtype, as the target's step computes it."""
+    return transformer.final_logits(tparams, cfg, last.astype(jnp.float32))[1]
 
 
 def stored_taps(taps: tuple[int, ...], num_layers: int, logits: bool) -> tuple[int, ...]:

@@ -12,8 +12,8 @@
   teacher-forced expected tau (`specdec.train.tasks`);
 - a NaN/inf guard: a step whose loss or gradient norm is not finite is not applied, and training stops with
   `TrainingDiverged` (the checkpoints on disk are all from finite steps);
-- tracking through an injected tracker (anything with log_metrics / log_summary / log_config / finish; e.g.
-  `experiments.tracking.make_tracker`), plus metrics.jsonl and summary.json in the run directory.
+- tracking through an injected `specdec.tracking.Tracker` (e.g. `experiments.tracking.make_tracker`'s W&B
+  run), plus metrics.jsonl and summary.json in the run directory.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from specdec import sharding
+from specdec.tracking import Tracker
 from specdec.train import checkpoint as ckpt_lib
 from specdec.train.data import DistillData
 from specdec.train.features import (build_feature_cache, cached_features, data_fingerprint, online_features,
@@ -247,9 +248,9 @@ def _catch_sigterm(flag: list) -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
-def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker=None, progress: bool = True,
-          full_config: dict | None = None, eval_draft_len: int = 5, hook: Callable[[int, dict], None] | None = None,
-          log: Callable[[str], None] = print) -> dict:
+def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker: Tracker | None = None,
+          progress: bool = True, full_config: dict | None = None, eval_draft_len: int = 5,
+          hook: Callable[[int, dict], None] | None = None, log: Callable[[str], None] = print) -> dict:
     """Train `task` on `data` with the settings of `cfg` (a `specdec.config.TrainConfig`) into `run_dir`.
 
     Resumes from `run_dir/checkpoints` when it holds any. `hook(step, metrics)` runs after every step (tests

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from specdec.sampling import SamplingParams, probabilities
-from specdec.verify.base import (Draft, VerifyResult, commit, final_sample, require_greedy, residual,
-                                 round_noise)
+from specdec.drafter import Draft, VerifyResult
+from specdec.verify.base import Policy, commit, final_sample, require_greedy, residual, round_noise
 
 
 def _leading_true(ok: jax.Array) -> jax.Array:
@@ -67,3 +67,9 @@ def rejection_chain(draft: Draft, target_logits: jax.Array, sampling: SamplingPa
     p_stop = p[rows, num_accepted]
     dist = jnp.where(was_rejected[:, None], residual(p_stop, draft.dist_at(stop, vocab)), p_stop)
     return _chain_result(draft, num_accepted, final_sample(gumbel, dist))
+
+
+GREEDY_CHAIN = Policy("greedy_chain", lossless=True, supports_trees=False, greedy_only=True, impl=greedy_chain,
+                      tree_counterpart="greedy_tree")
+REJECTION_CHAIN = Policy("rejection_chain", lossless=True, supports_trees=False, greedy_only=False,
+                         impl=rejection_chain, tree_counterpart="multidraft_tree")

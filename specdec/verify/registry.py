@@ -1,25 +1,16 @@
-"""Verification policies by name: what configs and the engine refer to."""
+"""Verification policies by name: what configs and the engine refer to. Each policy module declares its own
+`Policy` objects; this is the list of them, and everything that needs the set of names (the config's allowed
+values, the CLI's listing) or a policy's properties (greedy only, its tree counterpart) reads them here."""
 
 from __future__ import annotations
 
 from specdec.verify.base import Policy
-from specdec.verify.chain import greedy_chain, rejection_chain
-from specdec.verify.tree import greedy_tree, multidraft_tree
-from specdec.verify.typical import DEFAULT_DELTA, DEFAULT_EPSILON, typical
+from specdec.verify.chain import GREEDY_CHAIN, REJECTION_CHAIN
+from specdec.verify.tree import GREEDY_TREE, MULTIDRAFT_TREE
+from specdec.verify.typical import TYPICAL
 
-# name -> (Policy with default options, the options it accepts)
-_POLICIES: dict[str, tuple[Policy, tuple[str, ...]]] = {
-    "greedy_chain": (Policy("greedy_chain", lossless=True, supports_trees=False, greedy_only=True,
-                            impl=greedy_chain), ()),
-    "rejection_chain": (Policy("rejection_chain", lossless=True, supports_trees=False, greedy_only=False,
-                               impl=rejection_chain), ()),
-    "greedy_tree": (Policy("greedy_tree", lossless=True, supports_trees=True, greedy_only=True,
-                           impl=greedy_tree), ()),
-    "multidraft_tree": (Policy("multidraft_tree", lossless=True, supports_trees=True, greedy_only=False,
-                               impl=multidraft_tree), ()),
-    "typical": (Policy("typical", lossless=False, supports_trees=True, greedy_only=False, impl=typical,
-                       options=(("delta", DEFAULT_DELTA), ("epsilon", DEFAULT_EPSILON))), ("epsilon", "delta")),
-}
+_POLICIES: dict[str, Policy] = {p.name: p for p in (GREEDY_CHAIN, REJECTION_CHAIN, GREEDY_TREE, MULTIDRAFT_TREE,
+                                                    TYPICAL)}
 
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
 
@@ -29,12 +20,4 @@ def get_policy(name: str, **options: float) -> Policy:
     epsilon, delta). Unknown names and options are errors, never silently ignored."""
     if name not in _POLICIES:
         raise ValueError(f"unknown verification policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
-    policy, allowed = _POLICIES[name]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"policy {name!r} has no option(s) {unknown}; allowed: {list(allowed) or 'none'}")
-    if not options:
-        return policy
-    merged = {**dict(policy.options), **{k: float(v) for k, v in options.items()}}
-    return Policy(policy.name, policy.lossless, policy.supports_trees, policy.greedy_only, policy.impl,
-                  tuple(sorted(merged.items())))
+    return _POLICIES[name].with_options(**options)

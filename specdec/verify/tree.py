@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from specdec import trees
 from specdec.sampling import SamplingParams, probabilities
-from specdec.verify.base import (Draft, VerifyResult, commit, final_sample, require_greedy, residual,
-                                 round_noise)
+from specdec.drafter import Draft, VerifyResult
+from specdec.verify.base import Policy, commit, final_sample, require_greedy, residual, round_noise
 
 
 def longest_accepted_path(parents: jax.Array, accepted: jax.Array,
@@ -99,3 +99,8 @@ def multidraft_tree(draft: Draft, target_logits: jax.Array, sampling: SamplingPa
     init = (jnp.full((b,), -1, jnp.int32), p[:, 0], jnp.zeros((b,), jnp.int32), jnp.full((b, n), -1, jnp.int32))
     _, dist, num_accepted, path = jax.lax.fori_loop(0, n, visit, init)
     return commit(draft.tokens, path, num_accepted, final_sample(gumbel, dist))
+
+
+GREEDY_TREE = Policy("greedy_tree", lossless=True, supports_trees=True, greedy_only=True, impl=greedy_tree)
+MULTIDRAFT_TREE = Policy("multidraft_tree", lossless=True, supports_trees=True, greedy_only=False,
+                         impl=multidraft_tree)

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from specdec.sampling import SamplingParams, probabilities
-from specdec.verify.base import Draft, VerifyResult, commit, final_sample, round_noise
+from specdec.drafter import Draft, VerifyResult
+from specdec.verify.base import Policy, commit, final_sample, round_noise
 from specdec.verify.tree import longest_accepted_path
 
 DEFAULT_EPSILON = 0.09
@@ -40,3 +41,7 @@ def typical(draft: Draft, target_logits: jax.Array, sampling: SamplingParams, ke
     _, gumbel = round_noise(key, b, 0, p.shape[-1])
     next_token = final_sample(gumbel, p[jnp.arange(b), last + 1])
     return commit(draft.tokens, path, num_accepted, next_token)
+
+
+TYPICAL = Policy("typical", lossless=False, supports_trees=True, greedy_only=False, impl=typical,
+                 options=(("delta", DEFAULT_DELTA), ("epsilon", DEFAULT_EPSILON)))
