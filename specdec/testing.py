@@ -175,3 +175,25 @@ def assert_draft_matches_its_q(target, drafter, **options):
     p_value, tv, impossible, inconsistent = draft_fit(target, drafter, **options)
     assert impossible == 0 and inconsistent == 0, (impossible, inconsistent)
     assert p_value > P_VALUE_MIN and tv < 0.04, (p_value, tv)
+
+
+def prefill_for_drafter(target, drafter, rows, width: int = 16, capacity: int = 64, state_capacity: int = 48):
+    """A drafter's first round, set up as the engine does it: the prompts `rows` (padded with 2 to `width`)
+    prefilled with every layer's hidden states, the roots (greedy), and the drafter's state from `init`.
+    Returns (tokens [B, width], lengths [B], roots [B], drafter state, hidden states [L+1, B, width, H]) for
+    tests that compare a drafter with a re-implementation of it (the export parity tests)."""
+    from specdec.drafter import PromptInfo
+    from specdec.generate import prefill
+
+    tokens = np.full((len(rows), width), 2, np.int32)
+    for i, p in enumerate(rows):
+        tokens[i, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in rows], jnp.int32)
+    every = tuple(range(target.cfg.num_layers + 1))
+    logits, taps, _ = prefill(target.params, target.init_cache(len(rows), capacity), jnp.asarray(tokens), lengths,
+                              forward=target.forward, cfg=target.cfg, taps=every)
+    root = np.asarray(jnp.argmax(logits, -1))
+    mine = jnp.stack([taps[t] for t in drafter.taps])  # the taps the drafter asks for, in its own order
+    state = jax.jit(drafter.init, static_argnums=2)(drafter.params, PromptInfo(jnp.asarray(tokens), lengths, mine,
+                                                                               jnp.asarray(root)), state_capacity)
+    return tokens, lengths, root, state, taps

@@ -22,14 +22,13 @@ from drafters import create_drafter, eagle3
 from experiments import cli
 from experiments.build import build_drafter, build_target
 from specdec.config import load_config
-from specdec.drafter import PromptInfo
 from specdec.engine import speculative_generate
 from specdec.export import NotRepresentable, export_run, load_export
 from specdec.export import eagle3 as E
-from specdec.generate import generate, prefill
+from specdec.generate import generate
 from specdec.models.config import tiny_config
 from specdec.target import random_target
-from specdec.testing import peaky_target
+from specdec.testing import peaky_target, prefill_for_drafter
 from specdec.train import checkpoint as ckpt
 from tests.peer_eagle3 import PeerEagle3
 from tests.test_eagle3 import context, engine_round, noisy
@@ -71,18 +70,7 @@ def exports(tmp_path_factory, run_dir, target):
 def first_round(target, drafter, rows=PROMPTS):
     """specdec's drafting after the target's prefill: logits [B, K, Vd], drafted target ids [B, K], the root
     tokens, and the target's hidden states of every layer [L+1, B, T, H]."""
-    width = 16
-    tokens = np.full((len(rows), width), 2, np.int32)
-    for i, p in enumerate(rows):
-        tokens[i, : len(p)] = p
-    lengths = jnp.asarray([len(p) for p in rows], jnp.int32)
-    every = tuple(range(target.cfg.num_layers + 1))
-    logits, taps, _ = prefill(target.params, target.init_cache(len(rows), 64), jnp.asarray(tokens), lengths,
-                              forward=target.forward, cfg=target.cfg, taps=every)
-    root = np.asarray(jnp.argmax(logits, -1))
-    mine = jnp.stack([taps[t] for t in drafter.taps])  # the taps the drafter asks for, in its own order
-    state = jax.jit(drafter.init, static_argnums=2)(drafter.params, PromptInfo(jnp.asarray(tokens), lengths, mine,
-                                                                               jnp.asarray(root)), 48)
+    _, _, root, state, taps = prefill_for_drafter(target, drafter, rows)
     ctx = context([p + [int(r)] for p, r in zip(rows, root)])
     lg, drafted, _, _ = engine_round(drafter, drafter.params, state, ctx)
     return np.asarray(lg), np.asarray(drafted), root, np.array(taps)  # a writable copy: torch.from_numpy wants one

@@ -21,13 +21,14 @@ import torch
 
 from drafters import create_drafter, dflash, dspark
 from experiments import cli
-from specdec.drafter import PromptInfo, RoundContext
+from specdec.drafter import RoundContext
 from specdec.engine import speculative_generate
 from specdec.export import NotRepresentable, export_run, load_export
-from specdec.generate import generate, prefill
+from specdec.generate import generate
 from specdec.models.config import tiny_config
 from specdec.sampling import SamplingParams
 from specdec.target import random_target
+from specdec.testing import prefill_for_drafter
 from specdec.train import checkpoint as ckpt
 from tests.peer_block import PeerBlockDrafter
 
@@ -84,18 +85,8 @@ def first_round(target, drafter, rows=PROMPTS):
     """specdec's greedy drafting after the target's prefill: draft logits [B, k, Vd] (DSpark: Markov head
     included, previous token = the drafted one), drafted target ids [B, k], prefix confidences [B, k], the
     roots, and the target's hidden states of every layer [L+1, B, T, H]."""
-    tokens = np.full((len(rows), 16), 2, np.int32)
-    for i, p in enumerate(rows):
-        tokens[i, : len(p)] = p
-    lengths = jnp.asarray([len(p) for p in rows], jnp.int32)
-    every = tuple(range(target.cfg.num_layers + 1))
-    logits, taps, _ = prefill(target.params, target.init_cache(len(rows), 64), jnp.asarray(tokens), lengths,
-                              forward=target.forward, cfg=target.cfg, taps=every)
-    root = np.asarray(jnp.argmax(logits, -1))
-    mine = jnp.stack([taps[t] for t in drafter.taps])
+    _, lengths, root, state, taps = prefill_for_drafter(target, drafter, rows)
     params = drafter.params
-    state = jax.jit(drafter.init, static_argnums=2)(params, PromptInfo(jnp.asarray(tokens), lengths, mine,
-                                                                       jnp.asarray(root)), 48)
     seq = np.zeros((len(rows), 64), np.int32)
     for i, (p, r) in enumerate(zip(rows, root)):
         seq[i, : len(p) + 1] = p + [int(r)]
