@@ -153,7 +153,7 @@ def test_a_width_must_beat_a_plain_step_by_the_margin():
 def test_host_side_drafter_runs_width_0_rounds_in_compiled_bursts(monkeypatch):
     """The suffix drafter (Python state) skips runs of width-0 rounds in one compiled call, then syncs from the
     context once: the output stays AR's, and fewer host rounds run than tokens were committed."""
-    target = make_target(3)
+    target = peaky_target(3)
     ar = generate(target, PROMPTS, max_new_tokens=17)
     drafter = create_drafter("suffix", target, 4)
     calls = {"propose": 0, "burst": 0}
