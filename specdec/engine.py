@@ -209,10 +209,6 @@ def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, ma
             return out
         return run
 
-    if width == 0:  # the root alone, run as AR's step runs it (position = cache length, one token's causal
-        # mask); taps padded to N + 1 positions as the drafters expect
-        out = spec.forward(tparams, spec.cfg, cache, tokens[:, :1], taps=spec.drafter.taps)
-        return out._replace(taps=pad(out.taps, 2))
     if width is not None:
         return branch(width)(cache)
     index = jnp.searchsorted(jnp.asarray(spec.verify_widths, jnp.int32), need.astype(jnp.int32))
