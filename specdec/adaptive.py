@@ -81,6 +81,12 @@ class AdaptiveState:
     quiet_rounds: jax.Array  # int32 [] consecutive iterations that verified nothing (exploration clock)
     explore_gap: jax.Array  # int32 [] quiet iterations before the next exploring round (backs off on failures)
 
+    def forced(self, plan: int, refine: int, valid: bool = False) -> "AdaptiveState":
+        """This state with the plan and refine decisions forced to those indices into the verify widths (and,
+        with `valid`, every draft node treated as drafted): the cost profile and the warm-up run fixed widths."""
+        return dataclasses.replace(self, force_plan=jnp.asarray(plan, jnp.int32),
+                                   force_refine=jnp.asarray(refine, jnp.int32), force_valid=jnp.asarray(valid))
+
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveWidth:

@@ -447,9 +447,8 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     if warmup:
         _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=sched)
         if not compiled and runs_bursts(spec, drafter):  # compile the width-0 burst too (the rounds above verified)
-            forced = dataclasses.replace(sched, force_plan=jnp.asarray(0, jnp.int32),
-                                         force_refine=jnp.asarray(0, jnp.int32))
-            _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=forced)
+            _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled,
+                 sched_state=sched.forced(0, 0))
     if adaptive:
         costs = round_costs(spec, target, drafter, tokens, lengths, capacity, compiled)
         sched = scheduler.init_state(len(tokens), n, costs)
@@ -477,8 +476,7 @@ def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, length
 
     def run_forced(plan: int, refine: int) -> float:
         state = sched.init_state(len(tokens), drafter.num_draft_tokens, (np.ones(len(spec.verify_widths)), 0.0))
-        state = dataclasses.replace(state, force_plan=jnp.asarray(plan, jnp.int32),
-                                    force_refine=jnp.asarray(refine, jnp.int32), force_valid=jnp.asarray(True))
+        state = state.forced(plan, refine, valid=True)
         with drafter.profiling():
             out = _run(spec, target, drafter, fake, lengths, capacity, PROFILE_ROUNDS + 1, 0, compiled,
                        sched_state=state)
