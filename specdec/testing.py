@@ -21,7 +21,8 @@ from scipy import stats
 
 from specdec import engine
 from specdec.engine import speculative_generate
-from specdec.generate import cache_capacity, pad_prompts
+from specdec.drafter import PromptInfo
+from specdec.generate import cache_capacity, pad_prompts, prefill
 from specdec.models.config import tiny_config
 from specdec.sampling import SamplingParams, probabilities
 from specdec.target import Target, random_target
@@ -182,9 +183,6 @@ def prefill_for_drafter(target, drafter, rows, width: int = 16, capacity: int = 
     prefilled with every layer's hidden states, the roots (greedy), and the drafter's state from `init`.
     Returns (tokens [B, width], lengths [B], roots [B], drafter state, hidden states [L+1, B, width, H]) for
     tests that compare a drafter with a re-implementation of it (the export parity tests)."""
-    from specdec.drafter import PromptInfo
-    from specdec.generate import prefill
-
     tokens = np.full((len(rows), width), 2, np.int32)
     for i, p in enumerate(rows):
         tokens[i, : len(p)] = p
