@@ -1,7 +1,8 @@
-"""Attention formulations at small T, timed in one run: `transformer.attend` (a [G*T, HD] x [HD, S] dot per row
-and KV head) against a broadcast multiply-and-reduce (XLA loop fusions), 30 layers chained, rows at half the
+"""Attention formulations at small T, timed in one run: the query-rows dots (a [G*T, HD] x [HD, S] product per
+row and KV head, what `transformer.attend` runs for T >= 2), the slot-rows dots (K [S, HD] x q [HD, G], what it
+runs for T = 1) and a broadcast multiply-and-reduce (XLA loop fusions), 30 layers chained, rows at half the
 capacity, SmolLM2's head shapes (9 query heads, 3 KV heads, HD 64). Prints the best of 3 x 5 calls per shape and
-the largest output difference. Measure on a quiet machine (docs/BENCHMARKS.md, session 7).
+the largest output difference from the query-rows form. Measure on a quiet machine (docs/BENCHMARKS.md).
 
     python benchmarks/bench_attention.py
 """
@@ -50,9 +51,11 @@ def main():
                     acc = acc + 1e-3 * o.reshape(acc.shape)
                 return acc
             return jax.jit(f)
-        fns = {"dot": run(T.attend), "multiply-sum": run(attend_multiply_sum)}
+        fns = {"query-rows": run(T._attend_query_rows), "multiply-sum": run(attend_multiply_sum)}
+        if t == 1:
+            fns["slot-rows"] = run(T._attend_one)
         outs = {n: f(q, ks, vs, mask) for n, f in fns.items()}
-        err = float(jnp.max(jnp.abs(outs["dot"] - outs["multiply-sum"])))
+        err = max(float(jnp.max(jnp.abs(outs["query-rows"] - o))) for o in outs.values())
         res = {}
         for rep in range(3):
             for n, f in fns.items():

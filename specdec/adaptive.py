@@ -14,8 +14,8 @@ Inputs, both known before the target runs:
 - P_b: per-row running estimates from that row's own history (exponentially decayed counts, decayed when the
   position is observed, so a row's estimates follow its text): the conditional acceptance of position j given
   j-1 was accepted, and how often position j is drafted at all (an n-gram miss drafts nothing).
-- Exploration: after `explore_every` (8) rounds in a row that verified nothing, one round verifies at the best
-  non-zero width, so a row whose text turns copy-heavy is noticed. A verified round that accepts nothing
+- Exploration: after `explore_every` (8) rounds in a row that verified nothing, one round verifies at the
+  narrowest non-zero width, so a row whose text turns copy-heavy is noticed. A verified round that accepts nothing
   doubles that gap (up to `explore_max`, 64) and one that accepts a draft token resets it, so on text where
   drafts keep failing (open chat) exploring costs ~(C(1) - C(0)) / C(0) / 64 of a step instead of / 8 (~4%
   here at 8). (Session 6 let unobserved counts drift back to the optimistic prior instead: on open chat a
@@ -182,8 +182,13 @@ class AdaptiveWidth:
         w = jnp.asarray(widths)
         # a tree is verified whole or not at all (its node order is not a priority order)
         allowed = (w == 0) | (w == num_nodes) if tree else jnp.ones(w.shape, bool)
-        exploring = st.quiet_rounds >= st.explore_gap  # this round must verify something
-        return allowed & ~(exploring & (w == 0))
+        # An exploring round must verify something, and verifies the narrowest width allowed: it is there to
+        # learn whether drafts are accepted again, and at batch 8 a wide round costs ~1.5 plain steps where the
+        # narrowest costs ~1.1 (every row pays for the batch's exploration). A hit resets the gap and the next
+        # plan widens on the evidence.
+        exploring = st.quiet_rounds >= st.explore_gap
+        narrowest = jnp.min(jnp.where(allowed & (w > 0), w, jnp.iinfo(jnp.int32).max))
+        return jnp.where(exploring, allowed & (w == narrowest), allowed)
 
     def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool) -> jax.Array:
         """Index into `widths` to draft for, from the history alone (0: skip the draft)."""

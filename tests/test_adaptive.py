@@ -92,7 +92,7 @@ def test_observe_counts_reached_and_accepted_positions():
 
 def test_exploration_verifies_after_a_run_of_quiet_rounds():
     """A hopeless history skips the draft, but after `explore_every` quiet rounds the plan and the refinement
-    both must verify (the best width > 0); a verifying round restarts the clock."""
+    both must verify (the narrowest width > 0); a verifying round restarts the clock."""
     sched = AdaptiveWidth(explore_every=3)
     widths = (0, 1, 3)
     st = sched.init_state(1, 3, ((1.0, 1.5, 2.0), 0.1))
@@ -107,6 +107,17 @@ def test_exploration_verifies_after_a_run_of_quiet_rounds():
         _, st = sched.refine(st, draft, k, k > 0, widths, active, look=True, tree=False)
     assert plans == [0, 0, 0, 1, 0]  # three quiet rounds, then one that verifies the narrowest width
     assert int(st.quiet_rounds) == 1
+
+    # a history where, of the widths > 0, the widest would pay best (but width 0 still wins): the exploring
+    # round still verifies the narrowest, the cheapest way to learn whether drafts are accepted again
+    st = sched.init_state(1, 3, ((1.0, 1.5, 1.6), 0.1))
+    st = dataclasses.replace(st, hits=jnp.full((1, 3), 15.0), reached=jnp.full((1, 3), 50.0),
+                             drafted=jnp.full((1, 3), 50.0), drafts=jnp.full((1, 1), 50.0),
+                             quiet_rounds=jnp.asarray(3, jnp.int32))
+    assert int(sched._best(jnp.asarray([1.0, 1.3, 1.42]), st.round_cost, jnp.asarray([False, True, True]))) == 2
+    assert int(sched.plan(st, widths, active, tree=False)) == 1
+    _, st = sched.refine(st, draft, jnp.asarray(1), jnp.asarray(True), widths, active, look=True, tree=False)
+    assert st.width_rounds.tolist() == [0, 1, 0]
 
 
 def test_exploration_backs_off_while_verified_drafts_fail():
