@@ -101,6 +101,7 @@ def main():
     ap.add_argument("--max-prompt-len", type=int, default=256, help="longer prompts are skipped (as in specdec data)")
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.95, help="the shipped data configs sample with top_p 0.95")
     ap.add_argument("--batches", type=int, nargs="+", default=[64])
     ap.add_argument("--insert-rows", type=int, default=8)
     ap.add_argument("--paths", nargs="+", default=["static", "continuous"], choices=["static", "continuous"])
@@ -115,9 +116,9 @@ def main():
     records = load_prompt_records(args.prompts, limit=args.n, sample_seed=args.sample_seed)
     prompts = [p for p in (encode_prompt(target, r, True) for r in records) if len(p) <= args.max_prompt_len]
     lengths = [len(p) for p in prompts]
-    sampling = SamplingParams(args.temperature)
+    sampling = SamplingParams(args.temperature, top_p=args.top_p)
     print(f"{len(prompts)} prompts (length {min(lengths)}..{max(lengths)}, mean {np.mean(lengths):.0f}), "
-          f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, "
+          f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}, top_p {args.top_p}, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     results = []
     for b in args.batches:
