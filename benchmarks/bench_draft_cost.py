@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import DEFAULT_DATA, load_prompts  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from drafters import create_drafter  # noqa: E402
 from specdec import engine  # noqa: E402
@@ -34,13 +33,7 @@ from specdec.verify import get_policy  # noqa: E402
 
 
 def median_ms(fn, reps: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+    return 1e3 * median_seconds(fn, reps)
 
 
 def round_costs(target, drafter, prompts, reps: int) -> dict:

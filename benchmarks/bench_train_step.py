@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +23,7 @@ from experiments.build import build_target
 from specdec.config import load_config
 from specdec.train.loop import Hyper, StepSpec, _features, make_optimizer, train_step
 from specdec.train.tasks import make_task
-
-
-def median_seconds(fn, repeats: int = 3) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+from timing import median_seconds
 
 
 def main(argv=None) -> None:
