@@ -1,4 +1,4 @@
-"""Top-p: the nucleus found from the top-K prefix (or the full-sort fallback) is exactly the sorted definition."""
+"""Top-p: the nucleus found from the top-K prefix (or the bisection fallback) is exactly the sorted definition."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +21,7 @@ def nucleus_reference(logits: np.ndarray, top_p: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize("scale,what", [(8.0, "peaky rows: the prefix holds the nucleus"),
-                                        (0.05, "near-uniform rows: the full-sort fallback"),
+                                        (0.05, "near-uniform rows: the bisection fallback"),
                                         (None, "a batch mixing both")])
 def test_top_p_matches_the_sorted_definition(scale, what):
     rng = np.random.default_rng(0)

@@ -274,8 +274,9 @@ def _attend_query_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mas
 def _attend_one(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array) -> jax.Array:
     """`attend` for one new token per row (plain decode), with the cache slots as the rows of each product:
     scores [S, G] = K [S, HD] x q [HD, G], then out [G, HD] = p^T [G, S] x V [S, HD]. The same sums as `attend`'s
-    [G, HD] x [HD, S] products, but XLA:CPU runs them 1.6x (batch 1) to 2.2x (batch 64) faster
-    (benchmarks/bench_attention.py); with 2 or more new tokens the query-rows form measured as fast or faster."""
+    [G, HD] x [HD, S] products. XLA:CPU ran 30 chained layers of it 1.5x faster at batch 64 and 1.2x at batch 8,
+    and 0.9x at batch 1, ~0.3 ms of a ~30 ms step (benchmarks/bench_attention.py, docs/BENCHMARKS.md session 9).
+    With 2 or more new tokens the query-rows form measured as fast or faster."""
     b, _, nh, hd = q.shape
     kvh = k_cache.shape[1]
     qm = q.reshape(b, kvh, nh // kvh, hd)  # query head kvh*G + g is the g-th head of KV head kvh
