@@ -9,6 +9,7 @@ within a few minutes.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,38 @@ def test_tree_verify_ancestor_mask_batch3():
     logits_at = jnp.array([[0, 3, 5], [1, 4, 5], [2, 3, 5]], jnp.int32)
     out, _ = assert_matches_reference(params, cfg, cache, tokens, positions, jnp.asarray(mask), logits_at=logits_at)
     assert out.logits.shape == (3, 3, cfg.vocab_size)
+
+
+# One sweep over the factors the kernel branches on: batch (one row / ragged rows with an empty one), width
+# (decode / a 4-token verify), layout (a chain / a token tree with an ancestor mask and depth positions) and
+# architecture (Llama / Qwen-style q/k/v biases with per-head QK RMSNorm). The five cases below cover every
+# pair of factor levels (a pairwise design); the rest of the 16-case product runs with `pytest -m slow`.
+SWEEP_PAIRWISE = {(1, 1, "chain", "llama"), (1, 4, "tree", "qwen"), (3, 1, "tree", "qwen"),
+                  (3, 4, "chain", "qwen"), (3, 4, "tree", "llama")}
+SWEEP = [pytest.param(*case, marks=() if case in SWEEP_PAIRWISE else pytest.mark.slow, id="-".join(map(str, case)))
+         for case in itertools.product((1, 3), (1, 4), ("chain", "tree"), ("llama", "qwen"))]
+
+
+def random_tree_parents(rng: np.random.Generator, width: int) -> list[int]:
+    """A random token tree of `width` nodes in topological order: node i's parent is any earlier node."""
+    return [-1] + [int(rng.integers(0, i)) for i in range(1, width)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batch,width,layout,arch", SWEEP)
+def test_matches_reference_sweep(batch, width, layout, arch):
+    cfg = tiny_config(attention_bias=True, qk_norm=True) if arch == "qwen" else tiny_config()
+    rng = np.random.default_rng(batch * 100 + width * 10 + len(layout))
+    params = random_params(cfg, seed=int(rng.integers(1 << 16)))
+    lengths = np.array([75] if batch == 1 else [130, 0, 33], np.int32)  # ragged: two KV tiles, empty, one
+    cache = random_cache(cfg, lengths, capacity=192, seed=int(rng.integers(1 << 16)))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, width)), jnp.int32)
+    if layout == "chain":
+        assert_matches_reference(params, cfg, cache, tokens, taps=(0, 2))
+        return
+    mask, depth = tree_masks([random_tree_parents(rng, width) for _ in range(batch)])
+    positions = jnp.asarray(lengths[:, None] + depth)
+    assert_matches_reference(params, cfg, cache, tokens, positions, jnp.asarray(mask), taps=(0, 2))
 
 
 @pytest.mark.timeout(120)
