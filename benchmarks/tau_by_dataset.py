@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from experiments.run import AR, SPEC, RecordStore, RunPaths
+from experiments.store import AR, SPEC, RecordStore, RunPaths
 
 
 def by_dataset(run_dir: Path, method: str) -> dict:
