@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         spec = DrafterSpec.parse(text)
         drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
         policy = spec.policy or DEFAULT_POLICY[drafter.kind]
-        tokens, m = run_spec(target, drafter, policy, groups, args.max_new_tokens, spec.buckets, spec.scheduler)
+        tokens, m = run_spec(target, drafter, policy, groups, args.max_new_tokens, spec.buckets, spec.make_scheduler())
         add(f"specdec {spec.label}", tokens, m.new_tokens, m.decode_seconds + m.prefill_seconds, ar_tokens)
     if not args.skip_transformers:
         out, r = run_hf_plain(str(gguf_path), prompts, args.max_new_tokens, eos)
