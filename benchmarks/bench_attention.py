@@ -4,7 +4,7 @@ runs for T = 1) and a broadcast multiply-and-reduce (XLA loop fusions), 30 layer
 capacity, SmolLM2's head shapes (9 query heads, 3 KV heads, HD 64). Prints the best of 3 x 5 calls per shape and
 the largest output difference from the query-rows form. Measure on a quiet machine (docs/BENCHMARKS.md).
 
-    python benchmarks/bench_attention.py
+    python -m benchmarks.bench_attention
 """
 import math
 import time

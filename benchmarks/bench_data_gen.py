@@ -14,7 +14,7 @@ responses differ and so do the token totals; at --temperature 0 they are the sam
 Other jobs on a shared 2-core machine make the numbers meaningless: `--pause PIDFILE ...` stops the processes
 named there (SIGSTOP) for each timed path only, waits until the 1-minute load is below --max-load, and resumes
 them (SIGCONT) right after, also when the run fails; the load is printed next to every figure.
-    PYTHONPATH=. python benchmarks/bench_data_gen.py [--n 128] [--batches 64] [--paths static continuous] \
+    python -m benchmarks.bench_data_gen [--n 128] [--batches 64] [--paths static continuous] \
         [--pause /tmp/data.pid /tmp/train.pid]
 """
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import time
 
 import numpy as np
 
+from benchmarks.common import write_json
 from specdec.generate import ContinuousStats, continuous_shapes, generate_continuous
 from specdec.sampling import SamplingParams
 from specdec.target import load_target
@@ -138,9 +138,7 @@ def main():
             row["ratio"] = row["continuous"]["tokens_per_second"] / row["static"]["tokens_per_second"]
             print(f"B={b:<4} continuous / static = {row['ratio']:.2f}x", flush=True)
         results.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ Measured in ONE run on the current machine (numbers from different runs or machi
     cache copy per step);
   * on an NVIDIA GPU, if JAX sees one: the step there against that GPU's floor (peak HBM bandwidth).
 
-    SPECDEC_CACHE=... python benchmarks/bench_decode.py [--steps 300] [--json OUT]
-    SPECDEC_CACHE=... python benchmarks/bench_decode.py --sections widths     # bandwidth + step cost by width only
+    SPECDEC_CACHE=... python -m benchmarks.bench_decode [--steps 300] [--json OUT]
+    SPECDEC_CACHE=... python -m benchmarks.bench_decode --sections widths     # bandwidth + step cost by width only
 """
 
 from __future__ import annotations
@@ -25,18 +25,17 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import platform
 import re
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import command_line, hf_model, median_seconds, write_json
 from specdec.generate import generate
 from specdec.models import registry
 from specdec.models.loading import load_checkpoint
@@ -63,15 +62,6 @@ SECTIONS = ("steps", "widths", "generate", "transformers", "gpu")
 # Measurements
 # ----------------------------------------------------------------------------------------------------------
 
-def _median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_bandwidth(device, nbytes: int = 512 << 20, reps: int = 15) -> dict:
     """GB/s of a jitted matrix-vector product (reads the matrix once) and of a jitted in-place scale (reads and
     writes the array once; the buffer is donated, so no fresh memory is faulted in on each call)."""
@@ -83,8 +73,7 @@ def measure_bandwidth(device, nbytes: int = 512 << 20, reps: int = 15) -> dict:
         v = jnp.ones((cols,), jnp.float32)
         matvec = jax.jit(lambda a, v: a @ v)
         scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
-        jax.block_until_ready(matvec(a, v))
-        t_mv = _median_time(lambda: matvec(a, v), reps)
+        t_mv = median_seconds(lambda: matvec(a, v), reps)  # after a warm-up call
         a = scale(a)
         times = []
         for _ in range(reps):
@@ -221,7 +210,7 @@ def time_transformers(gguf_path, prompts: list[list[int]], new_tokens: int, thre
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = _hf_model(str(gguf_path))
+        model = hf_model(str(gguf_path))
         with torch.no_grad():
             warm = torch.tensor([prompts[0]])
             model.generate(warm, attention_mask=torch.ones_like(warm), do_sample=False, max_new_tokens=4,
@@ -238,18 +227,6 @@ def time_transformers(gguf_path, prompts: list[list[int]], new_tokens: int, thre
         torch.set_num_threads(before)
     return {"threads": threads, "new_tokens": tokens, "end_to_end_tok_s": tokens / seconds,
             "transformers": transformers.__version__, "torch": torch.__version__}
-
-
-@functools.lru_cache(maxsize=1)
-def _hf_model(gguf_path: str):
-    import torch
-    import transformers
-
-    path = os.path.abspath(gguf_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                                              gguf_file=os.path.basename(path),
-                                                              dtype=torch.float32)
-    return model.eval()
 
 
 def gpu_peak(device) -> float:
@@ -292,7 +269,7 @@ def main(argv=None) -> dict:
     p_bytes = param_bytes(reference.params)
     prompts = [tokenizer.encode_chat(p) for p in PROMPTS]
     summary = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
-               "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+               "command": command_line(__file__, argv),
                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
                            "load_avg_at_start": os.getloadavg()},
                "param_bytes": p_bytes, "num_parameters": cfg.num_parameters(), "timed_steps": args.steps,
@@ -396,10 +373,7 @@ def main(argv=None) -> dict:
     summary["wall_seconds"] = time.time() - t_start
 
     print_table(summary)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, summary)
     return summary
 
 

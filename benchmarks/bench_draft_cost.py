@@ -7,7 +7,7 @@ EAGLE-3 k sequential draft-layer steps) and the target's verify forward on k + 1
 real prompt's prefill, median of --reps timed calls after a compile call. Also the drafter's parameter count.
 Greedy sampling; the drafter state is not advanced between calls (every call drafts the same round).
 
-    SPECDEC_CACHE=... python benchmarks/bench_draft_cost.py dflash=runs/train/dflash:7 dspark=runs/train/dspark:7 \
+    SPECDEC_CACHE=... python -m benchmarks.bench_draft_cost dflash=runs/train/dflash:7 dspark=runs/train/dspark:7 \
         eagle3=runs/train/eagle3:5 [--batches 1 8] [--reps 10]
 """
 
@@ -15,21 +15,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import DEFAULT_DATA, load_prompts  # noqa: E402
-from timing import median_seconds  # noqa: E402
-
-from drafters import create_drafter  # noqa: E402
-from specdec import engine  # noqa: E402
-from specdec.generate import cache_capacity, pad_prompts  # noqa: E402
-from specdec.sampling import GREEDY  # noqa: E402
-from specdec.target import load_target  # noqa: E402
-from specdec.verify import get_policy  # noqa: E402
+from benchmarks.common import DEFAULT_DATA, load_prompts, median_seconds
+from drafters import create_drafter
+from specdec import engine
+from specdec.generate import cache_capacity, pad_prompts
+from specdec.sampling import GREEDY
+from specdec.target import load_target
+from specdec.verify import get_policy
 
 
 def median_ms(fn, reps: int) -> float:

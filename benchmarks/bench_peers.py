@@ -14,14 +14,13 @@ ratios printed at the end (specdec / peer) are from this one run on this machine
 token for token with specdec's AR (transformers and llama.cpp accumulate float32 differently, so a long
 output may drift at a near-tie; the count of identical prompts is printed).
 
-    python benchmarks/bench_peers.py [--prompts quickstart] [--max-new-tokens 128] [--json OUT]
+    python -m benchmarks.bench_peers [--prompts quickstart] [--max-new-tokens 128] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -29,14 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import (DEFAULT_POLICY, DrafterSpec, hf_model, run_ar, run_hf_prompt_lookup,  # noqa: E402
+from benchmarks.common import (DEFAULT_POLICY, DrafterSpec, command_line, hf_model, run_ar, run_hf_prompt_lookup,
                                run_spec, write_json)
-
-from drafters import create_drafter  # noqa: E402
-from specdec.models import registry  # noqa: E402
-from specdec.prompts import builtin  # noqa: E402
-from specdec.target import load_target  # noqa: E402
+from drafters import create_drafter
+from specdec.models import registry
+from specdec.prompts import builtin
+from specdec.target import load_target
 
 DEFAULT_DRAFTERS = ("ngram:k=6,max_ngram=3,scheduler=adaptive", "ngram:k=3,max_ngram=3",
                     "suffix:k=8,scheduler=adaptive")
@@ -158,7 +155,7 @@ def main(argv=None) -> int:
         spec = DrafterSpec.parse(text)
         drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
         policy = spec.policy or DEFAULT_POLICY[drafter.kind]
-        tokens, m = run_spec(target, drafter, policy, groups, args.max_new_tokens, spec.buckets, spec.scheduler)
+        tokens, m = run_spec(target, drafter, policy, groups, args.max_new_tokens, spec.buckets, spec.make_scheduler())
         add(f"specdec {spec.label}", tokens, m.new_tokens, m.decode_seconds + m.prefill_seconds, ar_tokens)
     if not args.skip_transformers:
         out, r = run_hf_plain(str(gguf_path), prompts, args.max_new_tokens, eos)
@@ -191,7 +188,7 @@ def main(argv=None) -> int:
                   f"{ours[best_ours] / tok_s:.2f}")
     if args.json:
         write_json(args.json, {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                               "command": " ".join(["python", "benchmarks/bench_peers.py", *(argv or sys.argv[1:])]),
+                               "command": command_line(__file__, argv),
                                "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg(), "rows": rows})
     return 0
 

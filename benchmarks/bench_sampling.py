@@ -6,7 +6,7 @@ path), the median of 5 jitted calls of each, and how many tokens the two keep di
 sums of the same rule, so a token whose mass-before lies within float32 rounding (~1e-6) of top_p may fall on
 either side in either of them (tests/test_sampling.py compares with a float64 reference).
 
-    python benchmarks/bench_sampling.py [--batches 1 8 64] [--top-p 0.95]
+    python -m benchmarks.bench_sampling [--batches 1 8 64] [--top-p 0.95]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from benchmarks.common import median_seconds
 from specdec.sampling import top_p_threshold
-from timing import median_seconds
 
 
 def sorted_threshold(logits, top_p):

@@ -13,7 +13,7 @@ row-round) x SPS(B x (1 + verified draft tokens per row-round)), SPS profiled on
 verification only (no draft time) and assumes a ragged-batch backend, so it is an upper bound whose ranking of
 the configurations is what to compare with the measured one.
 
-    SPECDEC_CACHE=... python benchmarks/bench_scheduler.py runs/train/dspark [--drafter dspark] [--prompts 16] \
+    SPECDEC_CACHE=... python -m benchmarks.bench_scheduler runs/train/dspark [--drafter dspark] [--prompts 16] \
         [--batches 1 2 4 8 16] [--fixed 1 3 7] [--max-new-tokens 32] [--json docs/results/scheduler/summary.json]
 """
 
@@ -22,30 +22,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import DEFAULT_DATA, SUBSETS, groups_of, load_prompts, write_json  # noqa: E402
-
-from drafters import create_drafter  # noqa: E402
-from specdec.engine import speculative_generate  # noqa: E402
-from specdec.generate import ar_metrics, generate  # noqa: E402
-from specdec.metrics import merge, speedup  # noqa: E402
-from specdec.sampling import GREEDY  # noqa: E402
-from specdec.scheduling import Scheduler, load_or_measure_profile  # noqa: E402
-from specdec.target import load_target  # noqa: E402
-
-
-def run(target, groups, max_new, drafter=None, **engine):
-    if drafter is None:
-        outs = [generate(target, g, max_new_tokens=max_new, sampling=GREEDY, warmup=True) for g in groups]
-        return [r for o in outs for r in o.tokens], merge([ar_metrics(o) for o in outs])
-    outs = [speculative_generate(target, drafter, g, policy="greedy_chain", max_new_tokens=max_new,
-                                 sampling=GREEDY, warmup=True, **engine) for g in groups]
-    return [r for o in outs for r in o.tokens], merge([o.metrics for o in outs])
+from benchmarks.common import (DEFAULT_DATA, SUBSETS, command_line, groups_of, load_prompts, run_ar, run_spec,
+                               write_json)
+from drafters import create_drafter
+from specdec.metrics import speedup
+from specdec.scheduling import Scheduler, load_or_measure_profile
+from specdec.target import load_target
 
 
 def predicted_tok_s(m, batch: int, sps) -> float:
@@ -78,25 +64,24 @@ def main(argv=None) -> dict:
     prefix = Scheduler("prefix", profile=profile)
     sps = prefix.sps
     configs = {f"fixed k={k}": (k, {}) for k in args.fixed}
-    configs[f"prefix scheduler (k<={args.k}, buckets)"] = (args.k, {"scheduler": prefix, "verify_buckets": "auto"})
+    configs[f"prefix scheduler (k<={args.k}, buckets)"] = (args.k, {"scheduler": prefix, "buckets": "auto"})
     if args.threshold >= 0:
         configs[f"threshold {args.threshold:g} (k<={args.k}, buckets)"] = (
-            args.k, {"scheduler": Scheduler("threshold", threshold=args.threshold), "verify_buckets": "auto"})
+            args.k, {"scheduler": Scheduler("threshold", threshold=args.threshold), "buckets": "auto"})
     drafters = {k: create_drafter(args.drafter, target, k, path=args.path) for k in {k for k, _ in configs.values()}}
     summary = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "command": " ".join(["python", "benchmarks/bench_scheduler.py"]
-                                   + (argv if argv is not None else sys.argv[1:])),
+               "command": command_line(__file__, argv),
                "load_avg_at_start": os.getloadavg(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "sps_profile": profile, "rows": []}
     print(f"# {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy; load {os.getloadavg()[0]:.1f}",
           flush=True)
     for batch in args.batches:
         groups = groups_of(prompts, batch)
-        ar_tokens, ar = run(target, groups, args.max_new_tokens)
+        ar_tokens, ar = run_ar(target, groups, args.max_new_tokens)
         summary["rows"].append({"batch": batch, "method": "AR", "tok_s": ar.tokens_per_second, "speedup": 1.0})
         print(f"B={batch:2d} AR {ar.tokens_per_second:.1f} tok/s", flush=True)
         for name, (k, engine) in configs.items():
-            tokens, m = run(target, groups, args.max_new_tokens, drafters[k], **engine)
+            tokens, m = run_spec(target, drafters[k], "greedy_chain", groups, args.max_new_tokens, **engine)
             row = {"batch": batch, "method": name, "tau": m.tau, "tok_s": m.tokens_per_second,
                    "speedup": speedup(ar, m), "verified_per_round": m.proposed_draft_tokens / m.rounds,
                    "predicted_tok_s": predicted_tok_s(m, batch, sps), "same_as_ar": tokens == ar_tokens}

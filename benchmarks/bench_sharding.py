@@ -16,8 +16,8 @@ Expected for Megatron-style tensor parallelism over `model` (m > 1), per step:
               cross-shard max/argmax reductions a sampler needs, which are smaller);
   data axis   nothing: rows are independent.
 
-    python benchmarks/bench_sharding.py                    # 1x8, 2x4, 4x2 and 8x1 (data x model) meshes
-    python benchmarks/bench_sharding.py --meshes 2x4 --layers 8 --batch 8
+    python -m benchmarks.bench_sharding                    # 1x8, 2x4, 4x2 and 8x1 (data x model) meshes
+    python -m benchmarks.bench_sharding --meshes 2x4 --layers 8 --batch 8
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8": 1, "u8": 1, "s64": 8, "f64": 8}

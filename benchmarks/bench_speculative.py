@@ -19,23 +19,20 @@ every row runs the same number of rounds), decode time per round against the bar
 (`target.forward` on N+1 tokens with the chain mask, donated cache of the same capacity, at the run's mean
 cache length). Goal: ratio < 1.05.
 
-    SPECDEC_CACHE=... python benchmarks/bench_speculative.py [--n 8] [--max-new-tokens 128] [--json OUT]
+    SPECDEC_CACHE=... python -m benchmarks.bench_speculative [--n 8] [--max-new-tokens 128] [--json OUT]
     # drafters as name:key=value,... (k = num_draft_tokens, policy = verification policy)
-    python benchmarks/bench_speculative.py --drafters ngram:k=3 suffix:k=8,min_score=0.2 self_spec:k=3,num_layers=26
+    python -m benchmarks.bench_speculative --drafters ngram:k=3 suffix:k=8,min_score=0.2 self_spec:k=3,num_layers=26
     # the same drafter with the narrow verify steps of the engine's verify_buckets (A/B in one run)
-    python benchmarks/bench_speculative.py --drafters ngram:k=5 ngram:k=5,buckets=auto --batches 1
+    python -m benchmarks.bench_speculative --drafters ngram:k=5 ngram:k=5,buckets=auto --batches 1
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
-import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -43,179 +40,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import (DEFAULT_DATA, DEFAULT_POLICY, SUBSETS, DrafterSpec, command_line, groups_of,
+                               load_prompts, run_ar, run_hf_prompt_lookup, run_spec, write_json)
 from drafters import create_drafter
 from specdec import trees
-from specdec.adaptive import AdaptiveWidth
 from specdec.engine import speculative_generate
-from specdec.generate import ar_metrics, cache_capacity, generate
-from specdec.metrics import merge, speedup
+from specdec.generate import cache_capacity, generate
+from specdec.metrics import speedup
 from specdec.models import registry
 from specdec.models.loading import load_checkpoint
-from specdec.sampling import GREEDY
 from specdec.target import Target
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = Path(os.environ.get("SPECDEC_DATA", REPO.parent / "shared" / "data"))
-SUBSETS = ("mt_bench", "gsm8k", "humaneval")
 DEFAULT_DRAFTERS = ("ngram:k=6,max_ngram=3,scheduler=adaptive", "ngram:k=3,max_ngram=3",
                     "suffix:k=8,scheduler=adaptive", "self_spec:k=3,num_layers=26,scheduler=adaptive")
-DEFAULT_POLICY = {"chain": "greedy_chain", "tree": "greedy_tree"}
-HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a Python "
-                         "code block.\n\n```python\n{prompt}```")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Prompts
-# ----------------------------------------------------------------------------------------------------------
-
-def _jsonl(path: Path, n: int) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-            if len(rows) == n:
-                break
-    return rows
-
-
-def load_prompts(subset: str, n: int, data: Path) -> list[str]:
-    """The first n user messages of a subset (MT-Bench: first turn only)."""
-    if subset == "mt_bench":
-        return [r["turns"][0] for r in _jsonl(data / "mt_bench" / "question.jsonl", n)]
-    if subset == "gsm8k":
-        return [r["question"] for r in _jsonl(data / "gsm8k" / "test.jsonl", n)]
-    if subset == "humaneval":
-        return [HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"])
-                for r in _jsonl(data / "humaneval" / "HumanEval.jsonl", n)]
-    raise ValueError(f"unknown subset {subset!r}; choose from {', '.join(SUBSETS)}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Drafter specs
-# ----------------------------------------------------------------------------------------------------------
-
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
-
-
-@dataclasses.dataclass(frozen=True)
-class DrafterSpec:
-    name: str
-    k: int
-    policy: str | None
-    params: tuple[tuple[str, object], ...]
-    buckets: object = None  # the engine's verify_buckets ("auto" or node counts joined by '/'); None = off
-    scheduler: str | None = None  # "adaptive": the adaptive verify width (specdec/adaptive.py); None = fixed
-    explore_every: int | None = None  # the adaptive width's explore_every (None: its default)
-
-    @classmethod
-    def parse(cls, text: str) -> "DrafterSpec":
-        """`name[:key=value,...]`; k = num_draft_tokens (default 5), policy = verification policy, buckets =
-        verify widths (`auto`, or node counts like 0/1/3), scheduler = `adaptive` or `fixed`, explore = the
-        adaptive width's `explore_every` (e.g. `scheduler=adaptive,explore=8`)."""
-        name, _, rest = text.partition(":")
-        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
-        k = int(opts.pop("k", 5))
-        policy = opts.pop("policy", None)
-        buckets = opts.pop("buckets", None)
-        if buckets not in (None, "auto"):
-            buckets = tuple(int(w) for w in buckets.split("/"))
-        scheduler = opts.pop("scheduler", None)
-        if scheduler not in (None, "fixed", "adaptive"):
-            raise ValueError(f"{text}: scheduler must be 'adaptive' or 'fixed', got {scheduler!r}")
-        explore = opts.pop("explore", None)
-        if explore is not None and scheduler != "adaptive":
-            raise ValueError(f"{text}: explore= is an option of scheduler=adaptive")
-        return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())), buckets,
-                   None if scheduler == "fixed" else scheduler, None if explore is None else int(explore))
-
-    def make_scheduler(self):
-        if not self.scheduler:
-            return None
-        return AdaptiveWidth() if self.explore_every is None else AdaptiveWidth(explore_every=self.explore_every)
-
-    @property
-    def label(self) -> str:
-        extra = "".join(f",{k}={v}" for k, v in self.params)
-        if self.buckets is not None:
-            extra += f",buckets={self.buckets if isinstance(self.buckets, str) else '/'.join(map(str, self.buckets))}"
-        if self.scheduler:
-            extra += f",{self.scheduler}"
-        if self.explore_every is not None:
-            extra += f",explore={self.explore_every}"
-        return f"{self.name}(k={self.k}{extra})"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Runs
-# ----------------------------------------------------------------------------------------------------------
-
-def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
-    return [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-
-
-def run_ar(target: Target, groups, max_new: int):
-    """AR on each group; `warmup=True` first runs the same compiled programs for 2 tokens (untimed)."""
-    outs = [generate(target, g, max_new_tokens=max_new, sampling=GREEDY, warmup=True) for g in groups]
-    tokens = [row for o in outs for row in o.tokens]
-    return tokens, merge([ar_metrics(o) for o in outs])
-
-
-def run_spec(target: Target, drafter, policy: str, groups, max_new: int, buckets=None, scheduler=None):
-    """The drafter on each group, warmed up like `run_ar`. The suffix drafter starts with an empty global
-    corpus (it does not keep the 2-token warm-up outputs, see drafters/suffix.py)."""
-    if hasattr(drafter, "clear_global"):
-        drafter.clear_global()
-    outs = [speculative_generate(target, drafter, g, policy=policy, max_new_tokens=max_new, sampling=GREEDY,
-                                 warmup=True, verify_buckets=buckets,
-                                 scheduler=scheduler) for g in groups]
-    tokens = [row for o in outs for row in o.tokens]
-    return tokens, merge([o.metrics for o in outs])
-
-
-@functools.lru_cache(maxsize=1)
-def hf_model(gguf_path: str):
-    import torch
-    import transformers
-
-    path = os.path.abspath(gguf_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                                              gguf_file=os.path.basename(path),
-                                                              dtype=torch.float32)
-    return model.eval()
-
-
-def run_hf_prompt_lookup(gguf_path: str, prompts: list[list[int]], max_new: int, eos: tuple[int, ...],
-                         num_tokens: int = 10, threads: int = 0) -> tuple[list[list[int]], dict]:
-    """transformers' prompt lookup decoding at batch 1; tok/s over the whole generate call (prefill included).
-    threads: torch intra-op threads (0 = torch's default)."""
-    import torch
-
-    if threads:
-        torch.set_num_threads(threads)
-    model = hf_model(gguf_path)
-    kwargs = dict(do_sample=False, num_beams=1, prompt_lookup_num_tokens=num_tokens, max_new_tokens=max_new,
-                  eos_token_id=list(eos) or None, pad_token_id=eos[0] if eos else 0)
-    outputs, tokens, seconds = [], 0, 0.0
-    with torch.no_grad():
-        warm = torch.tensor([prompts[0]])
-        model.generate(warm, attention_mask=torch.ones_like(warm), **{**kwargs, "max_new_tokens": 8})
-        for p in prompts:
-            ids = torch.tensor([p])
-            t0 = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-            seconds += time.perf_counter() - t0
-            new = out[0, ids.shape[1]:].tolist()
-            outputs.append(new)
-            tokens += len(new)
-    return outputs, {"new_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-                     "threads": torch.get_num_threads()}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -303,8 +140,7 @@ def main(argv=None) -> dict:
     specs = [DrafterSpec.parse(d) for d in args.drafters]
     drafters = {s: create_drafter(s.name, target, s.k, **dict(s.params)) for s in specs}
     summary = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
-               "command": " ".join(["python", "benchmarks/bench_speculative.py"]
-                                   + (argv if argv is not None else sys.argv[1:])),
+               "command": command_line(__file__, argv),
                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
                            "load_avg_at_start": os.getloadavg()},
                "n": args.n, "max_new_tokens": args.max_new_tokens, "rows": [], "transformers": [],
@@ -363,15 +199,6 @@ def main(argv=None) -> dict:
     print_tables(summary)
     write_json(args.json, summary)
     return summary
-
-
-def write_json(path: str | None, summary) -> None:
-    """A benchmark's JSON summary (`--json OUT`; parent folders made; nothing when path is None)."""
-    if path:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(summary, f, indent=2)
-        print(f"wrote {path}")
 
 
 def _same(a: list[list[int]], b: list[list[int]]) -> str:

@@ -6,7 +6,7 @@ on random tokens (the cost does not depend on their values) the jitted feature p
 padded length. Tokens/s is batch x length / step seconds: the quiet-machine speed to size a run by (the loop's
 own `tokens_per_second` counts wall time from the loop's start, pauses included).
 
-    python benchmarks/bench_train_step.py configs/train/dspark_mix.yaml [--lengths 192 256] [k=v ...]
+    python -m benchmarks.bench_train_step configs/train/dspark_mix.yaml [--lengths 192 256] [k=v ...]
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import drafters
+from benchmarks.common import median_seconds
 from experiments.build import build_target
 from specdec.config import load_config
 from specdec.train.loop import Hyper, StepSpec, _features, make_optimizer, train_step
 from specdec.train.tasks import make_task
-from timing import median_seconds
 
 
 def main(argv=None) -> None:

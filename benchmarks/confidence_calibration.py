@@ -16,7 +16,7 @@ ECE and the T > 0 rows the sampled fit's. "before calibration" is the same DSpar
 temperatures at 1 (the raw confidence head); the temperatures change only confidences, never drafts, so both
 see identical rounds.
 
-    SPECDEC_CACHE=... python benchmarks/confidence_calibration.py runs/train/dspark [--dflash runs/train/dflash] \
+    SPECDEC_CACHE=... python -m benchmarks.confidence_calibration runs/train/dspark [--dflash runs/train/dflash] \
         [--n 4] [--max-new-tokens 64] [--temperatures 0 1] [--json docs/results/confidence/summary.json]
 """
 
@@ -24,21 +24,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 from scipy.stats import mannwhitneyu
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import DEFAULT_DATA, SUBSETS, load_prompts, write_json  # noqa: E402
-
-from drafters import create_drafter  # noqa: E402
-from drafters.dspark import DSparkDrafter, ece  # noqa: E402
-from specdec.engine import speculative_generate  # noqa: E402
-from specdec.sampling import SamplingParams  # noqa: E402
-from specdec.target import load_target  # noqa: E402
+from benchmarks.common import DEFAULT_DATA, SUBSETS, command_line, load_prompts, write_json
+from drafters import create_drafter
+from drafters.dspark import DSparkDrafter, ece
+from specdec.engine import speculative_generate
+from specdec.sampling import SamplingParams
+from specdec.target import load_target
 
 
 def auroc(score: np.ndarray, label: np.ndarray) -> float:
@@ -99,8 +96,7 @@ def main(argv=None) -> dict:
     if args.dflash:
         variants["dflash (top-prob heuristic)"] = create_drafter("dflash", target, args.k, path=args.dflash)
     summary = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "command": " ".join(["python", "benchmarks/confidence_calibration.py"]
-                                   + (argv if argv is not None else sys.argv[1:])),
+               "command": command_line(__file__, argv),
                "temperatures_fitted": {k: np.asarray(v).tolist() for k, v in fitted.items()},
                "prompts": len(prompts), "k": args.k, "max_new_tokens": args.max_new_tokens, "rows": []}
     for temp in args.temperatures:

@@ -1,7 +1,7 @@
 """Engine tau of a trained drafter on held-out prompts of its own distillation data (greedy, batch 1), to tell
 distribution shift from a train/inference mismatch: compare with the run's teacher-forced acceptance.
 
-    SPECDEC_CACHE=... python benchmarks/drafter_heldout_tau.py runs/train/eagle3 runs/data/smollm2_300 --name eagle3
+    SPECDEC_CACHE=... python -m benchmarks.drafter_heldout_tau runs/train/eagle3 runs/data/smollm2_300 --name eagle3
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Roofline report for the target step: bytes, FLOPs, the per-chip floor and expected tokens/s, plus the
 megakernel's VMEM plan per TPU generation. Analytic (no weights, no device).
 
-    python3 benchmarks/roofline.py [--model smollm2-135m-instruct|tiny|1b] [--context 1024] [--dtype bfloat16]
+    python -m benchmarks.roofline [--model smollm2-135m-instruct|tiny|1b] [--context 1024] [--dtype bfloat16]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A run keeps only its newest `train.keep_checkpoints` states, so a learning curve measured in the engine (tau
 against training tokens, docs/TRAINING.md) snapshots the steps it needs while the run goes on:
 
-    python benchmarks/snapshot_drafter.py runs/train/dspark_mix runs/snapshots/dspark_mix_step350 [--step 350]
+    python -m benchmarks.snapshot_drafter runs/train/dspark_mix runs/snapshots/dspark_mix_step350 [--step 350]
 
 Without --step: the latest checkpoint. The snapshot loads like any drafter (`drafter.path`); its
 drafter.json also records the step and the examples seen at that step.

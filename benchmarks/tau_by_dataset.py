@@ -5,7 +5,7 @@ Reads each run's per-batch metrics (`metrics/speculative.jsonl`, `metrics/autore
 speculative and AR decode tok/s and their ratio, and the mean of tau over the datasets (the issues' goals are
 averages over MT-Bench, GSM8K and HumanEval).
 
-    python benchmarks/tau_by_dataset.py runs/parallel [--json OUT]
+    python -m benchmarks.tau_by_dataset runs/parallel [--json OUT]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from experiments.run import AR, SPEC, RecordStore, RunPaths
+from experiments.store import AR, SPEC, RecordStore, RunPaths
 
 
 def by_dataset(run_dir: Path, method: str) -> dict:

@@ -7,7 +7,7 @@ distinct answer once, re-tokenised with the target's tokenizer) and prints, per 
 inside the top-N map built from a distillation data directory's frequencies, for several N, and inside the saved
 d2t map of each `--drafter` run.
 
-    python benchmarks/vocab_coverage.py runs/data/smollm2_mix960 runs/parallel --sizes 4096 8192 16384 32768 \\
+    python -m benchmarks.vocab_coverage runs/data/smollm2_mix960 runs/parallel --sizes 4096 8192 16384 32768 \\
         --drafter runs/train/dspark_v8k
 """
 

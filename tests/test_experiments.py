@@ -17,7 +17,8 @@ from experiments.datasets import DatasetError, load_all, load_prompts
 from experiments.lossless import LosslessError, check_greedy, two_sample_chi2
 from experiments.plots import pareto_front
 from experiments.quality import extract_final_number, gsm8k_correct, humaneval_passed, mbpp_passed, score_all
-from experiments.run import RunInterrupted, batch_group, make_record, plan_batches, run_experiment
+from experiments.run import RunInterrupted, batch_group, plan_batches, run_experiment
+from experiments.store import make_record
 from experiments.sweep import run_sweep
 from specdec.config import DatasetConfig, ConfigError, load_config
 from specdec.metrics import DecodeMetrics
