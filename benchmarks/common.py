@@ -8,7 +8,7 @@ How the scripts are run: from the repo root, as modules,
 `benchmarks/` is a package for that (pyproject installs only specdec, drafters and experiments; it does not install
 this one). `-m` puts the current directory, the repo root, first on sys.path, so a script imports the specdec of
 the checkout it is run in (not another pip-installed copy) and these helpers as `benchmarks.common`, with no
-sys.path edits. (`python -m benchmarks.bench_x` would put only benchmarks/ on sys.path: no `benchmarks` package.)
+sys.path edits. (`python benchmarks/bench_x.py` would put only benchmarks/ on sys.path: no `benchmarks` package.)
 """
 
 from __future__ import annotations
