@@ -10,6 +10,10 @@ with the target's own template) and each batch size (--batches, default 1 and 8)
   * transformers' prompt lookup (`generate(prompt_lookup_num_tokens=10, do_sample=False)`, same GGUF,
     float32) at batch 1 as the peer, compared on tok/s including prefill (transformers' generate times the
     whole call).
+AR and the drafters are interleaved group by group (each batch of prompts decoded by AR, then by every drafter,
+back to back; reversed on odd passes), because this VM's speed drifts by up to ~25% within minutes; with
+`--repeats R` the prompts are decoded R times and the speedup is the median of the passes' speedups (all passes
+are kept in the JSON as `speedup_by_pass`).
 Every call runs with `warmup=True` (the same compiled programs first run for 2 tokens, untimed), so timings
 exclude compilation. The suffix drafter's global corpus is cleared before each (subset, batch): within it,
 it holds the outputs of the earlier prompts (batch 1) / earlier-finished rows (batch 8) of that run only.
@@ -46,7 +50,7 @@ from drafters import create_drafter
 from specdec import trees
 from specdec.engine import speculative_generate
 from specdec.generate import cache_capacity, generate
-from specdec.metrics import speedup
+from specdec.metrics import DecodeMetrics, merge, speedup
 from specdec.models import registry
 from specdec.models.loading import load_checkpoint
 from specdec.target import Target
@@ -131,8 +135,12 @@ def main(argv=None) -> dict:
                     help="torch threads for transformers (0 = torch's default; 1 holds up better on a busy machine)")
     ap.add_argument("--overhead", default="ngram:k=3,max_ngram=3",
                     help="jittable drafter for the loop-overhead measurement ('' to skip)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="passes over the prompts; the speedup is the median of the passes' speedups")
     ap.add_argument("--json", metavar="OUT", help="write a JSON summary here")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
 
     t_start = time.time()
     cfg, np_params, tokenizer = load_checkpoint(args.model)
@@ -143,7 +151,7 @@ def main(argv=None) -> dict:
                "command": command_line(__file__, argv),
                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
                            "load_avg_at_start": os.getloadavg()},
-               "n": args.n, "max_new_tokens": args.max_new_tokens, "rows": [], "transformers": [],
+               "n": args.n, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": [], "transformers": [],
                "loop_overhead": []}
     print(f"# {cfg.name}; jax {jax.__version__}, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f}; "
           f"n={args.n} prompts/subset, max_new_tokens={args.max_new_tokens}", flush=True)
@@ -154,17 +162,19 @@ def main(argv=None) -> dict:
         ar_b1 = None
         for batch in args.batches:
             groups = groups_of(prompts, batch)
-            ar_tokens, ar = run_ar(target, groups, args.max_new_tokens)
+            passes = interleaved_passes(target, specs, drafters, groups, args.max_new_tokens, args.repeats)
+            ar_tokens, ar = merged(passes, "AR")
             if batch == 1:
                 ar_b1 = ar_tokens
             base = {"subset": subset, "batch": batch, "prompts": len(prompts), "mean_prompt_tokens": mean_len}
             rows = [{**base, "method": "AR", **_row(ar, ar, ar_tokens, ar_tokens)}]
             print(_line(rows[-1]), flush=True)
             for spec in specs:
-                d = drafters[spec]
-                policy = spec.policy or DEFAULT_POLICY[d.kind]
-                tokens, m = run_spec(target, d, policy, groups, args.max_new_tokens, spec.buckets, spec.make_scheduler())
-                rows.append({**base, "method": spec.label, "policy": policy, **_row(m, ar, tokens, ar_tokens)})
+                tokens, m = merged(passes, spec)
+                by_pass = [speedup(p["AR"][1], p[spec][1]) for p in passes]
+                rows.append({**base, "method": spec.label, "policy": spec.policy or DEFAULT_POLICY[drafters[spec].kind],
+                             **_row(m, ar, tokens, ar_tokens), "speedup": float(np.median(by_pass)),
+                             "speedup_by_pass": by_pass})
                 print(_line(rows[-1]), flush=True)
             summary["rows"].extend(rows)
         if not args.skip_transformers:
@@ -199,6 +209,38 @@ def main(argv=None) -> dict:
     print_tables(summary)
     write_json(args.json, summary)
     return summary
+
+
+def interleaved_passes(target: Target, specs, drafters, groups, max_new: int, repeats: int) -> list[dict]:
+    """`repeats` passes; in each, every group of prompts is decoded by AR and then by each drafter, back to back
+    (odd passes in the reverse order). This VM's speed drifts by up to ~25% within minutes, so AR and the
+    drafter are timed seconds apart on the same prompts, never one whole subset after the other.
+    Returns, per pass, method ("AR" or a DrafterSpec) -> (tokens, merged metrics). The suffix drafter's global
+    corpus is cleared at the start of each pass (a later pass must not find this pass's answers in it)."""
+    methods = ["AR", *specs]
+    passes = []
+    for r in range(repeats):
+        for spec in specs:
+            if hasattr(drafters[spec], "clear_global"):
+                drafters[spec].clear_global()
+        got = {m: ([], []) for m in methods}
+        for group in groups:
+            for m in (methods if r % 2 == 0 else methods[::-1]):
+                if m == "AR":
+                    tokens, metrics = run_ar(target, [group], max_new)
+                else:
+                    d = drafters[m]
+                    tokens, metrics = run_spec(target, d, m.policy or DEFAULT_POLICY[d.kind], [group], max_new,
+                                               m.buckets, m.make_scheduler(), clear=False)
+                got[m][0].extend(tokens)
+                got[m][1].append(metrics)
+        passes.append({m: (tokens, merge(ms)) for m, (tokens, ms) in got.items()})
+    return passes
+
+
+def merged(passes: list[dict], method) -> tuple[list[list[int]], DecodeMetrics]:
+    """The first pass's tokens (every pass decodes the same greedy tokens) and the metrics summed over passes."""
+    return passes[0][method][0], merge([p[method][1] for p in passes])
 
 
 def _same(a: list[list[int]], b: list[list[int]]) -> str:

@@ -142,10 +142,11 @@ def run_ar(target: Target, groups, max_new: int):
     return tokens, merge([ar_metrics(o) for o in outs])
 
 
-def run_spec(target: Target, drafter, policy: str, groups, max_new: int, buckets=None, scheduler=None):
+def run_spec(target: Target, drafter, policy: str, groups, max_new: int, buckets=None, scheduler=None,
+             clear: bool = True):
     """The drafter on each group, warmed up like `run_ar`. The suffix drafter starts with an empty global
-    corpus (it does not keep the 2-token warm-up outputs, see drafters/suffix.py)."""
-    if hasattr(drafter, "clear_global"):
+    corpus unless `clear=False` (it does not keep the 2-token warm-up outputs, see drafters/suffix.py)."""
+    if clear and hasattr(drafter, "clear_global"):
         drafter.clear_global()
     outs = [speculative_generate(target, drafter, g, policy=policy, max_new_tokens=max_new, sampling=GREEDY,
                                  warmup=True, verify_buckets=buckets,
