@@ -14,6 +14,10 @@
   `TrainingDiverged` (the checkpoints on disk are all from finite steps);
 - tracking through an injected `specdec.tracking.Tracker` (e.g. `experiments.tracking.make_tracker`'s W&B
   run), plus metrics.jsonl and summary.json in the run directory.
+
+Whether a run directory that already holds a run may be resumed with a changed config is the caller's rule
+(`specdec train` refuses one whose config differs outside a list of resumable keys, `experiments/cli.py`): this
+loop resumes from whatever checkpoints `run_dir` holds.
 """
 
 from __future__ import annotations
@@ -173,28 +177,6 @@ def _host(x) -> Any:
     return x.item() if x.ndim == 0 else x.tolist()
 
 
-# Config keys that may change when a run is resumed (everything else must match the stored config).
-RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
-                     "train.log_every", "tracking", "output", "description", "eval",
-                     "generation", "sampling", "data", "verify", "scheduler", "mesh", "drafter.num_draft_tokens",
-                     "drafter.params", "drafter.path")
-
-
-def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
-    keys = sorted(set(old) | set(new))
-    out = []
-    for k in keys:
-        name = f"{prefix}.{k}" if prefix else k
-        if any(name == r or name.startswith(r + ".") for r in RESUMABLE_CHANGES):
-            continue
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_diff(a, b, name)
-        elif a != b:
-            out.append(name)
-    return out
-
-
 def calibrate(task, spec: StepSpec, state: dict, consts, target, eval_idx, batch_size: int, make_batch) -> dict:
     """New buffers from `task.calibrate(params, consts, [(batch, feats), ...])` over the held-out examples."""
     feats_fn = jax.jit(_features, static_argnums=(0, 3))
@@ -249,26 +231,17 @@ def _catch_sigterm(flag: list) -> Callable[[], None]:
 
 
 def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker: Tracker | None = None,
-          progress: bool = True, full_config: dict | None = None, eval_draft_len: int = 5,
+          progress: bool = True, eval_draft_len: int = 5,
           hook: Callable[[int, dict], None] | None = None, log: Callable[[str], None] = print) -> dict:
     """Train `task` on `data` with the settings of `cfg` (a `specdec.config.TrainConfig`) into `run_dir`.
 
     Resumes from `run_dir/checkpoints` when it holds any. `hook(step, metrics)` runs after every step (tests
     use it to interrupt a run). Returns the summary (also written to run_dir/summary.json)."""
-    import yaml
     from tqdm.auto import tqdm
 
     t_start = time.perf_counter()
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    if full_config is not None:
-        stored_cfg = run / "config.yaml"
-        if stored_cfg.exists() and (run / ckpt_lib.CHECKPOINTS).is_dir():
-            diff = _config_diff(yaml.safe_load(stored_cfg.read_text()) or {}, full_config)
-            if diff:
-                raise ValueError(f"{run} holds a run with another config (differs in: {', '.join(diff)}); "
-                                 "use another output.name, or delete the directory to start over")
-        stored_cfg.write_text(yaml.safe_dump(full_config, sort_keys=False))
 
     seq_len = cfg.seq_len
     mesh = sharding.mesh_of(target)  # None: one device
