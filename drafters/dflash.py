@@ -312,7 +312,7 @@ def sample_anchors(batch: dict, num_anchors: int, key: jax.Array):
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashTask:
+class DFlashTask(T.TrainTask):
     """The training side of DFlash (see the module docstring)."""
 
     arch: BlockArch
