@@ -137,12 +137,6 @@ class BlockArch:
         return config
 
 
-def target_head(target) -> jax.Array:
-    """The target's output projection as [H, V] (frozen, shared with the drafter)."""
-    p = target.params
-    return jnp.asarray(p["embed"]).T if target.cfg.tie_word_embeddings else jnp.asarray(p["lm_head"])
-
-
 def numpy_rng(key: jax.Array) -> np.random.Generator:
     """A NumPy generator seeded by a JAX key. Initialisation draws with NumPy: on XLA:CPU every distinct shape
     drawn with jax.random costs a compilation (seconds), and these weights are drawn once."""
@@ -345,7 +339,7 @@ class DFlashTask(T.TrainTask):
         return {"backbone": init_backbone(self.arch, key, self.target.params["final_norm"])}, buffers
 
     def frozen(self, target) -> dict:
-        return {"embed": target.params["embed"], "head": target_head(target)}
+        return {"embed": target.params["embed"], "head": target.output_projection()}
 
     # -- heads (DSpark overrides these) -------------------------------------------------------------------
     def slot_logits(self, params, consts, hidden, prev):
@@ -491,7 +485,7 @@ class DFlashDrafter(Drafter):
     @classmethod
     def from_trained(cls, arch, trained, buffers, target, num_draft_tokens):
         buffers = {k: jnp.asarray(v) for k, v in (buffers or {}).items()}
-        trained, head = jax.tree.map(jnp.asarray, trained), target_head(target)
+        trained, head = jax.tree.map(jnp.asarray, trained), target.output_projection()
         if "d2t" in buffers:  # slice the vocabulary once here, not in every round
             head, trained = head[:, buffers["d2t"]], cls.restrict_vocab(trained, buffers["d2t"])
         params = {"params": trained, "embed": jnp.asarray(target.params["embed"]), "head": head, **buffers}
