@@ -22,7 +22,7 @@ import drafters
 from benchmarks.common import median_seconds
 from experiments.build import build_target
 from specdec.config import load_config
-from specdec.train.loop import Hyper, StepSpec, _features, make_optimizer, train_step
+from specdec.train.loop import Hyper, StepSpec, TrainState, _features, train_step
 from specdec.train.tasks import make_task
 
 
@@ -40,10 +40,8 @@ def main(argv=None) -> None:
     spec = StepSpec(task=task, hyper=hyper, cfg=target.cfg, forward=target.forward, stored=None,
                     eval_steps=cfg.drafter.num_draft_tokens)
     params, buffers = task.init(jax.random.PRNGKey(0), np.ones(target.cfg.vocab_size))
-    state = {"params": params, "buffers": buffers, "opt_state": make_optimizer(hyper).init(params),
-             "step": jnp.int32(0), "key": jax.random.PRNGKey(1)}
-    state = jax.tree.map(jnp.array, state)
-    consts = {**task.frozen(target), **jax.tree.map(jnp.array, state["buffers"])}
+    state = TrainState.create(params, buffers, hyper, seed=0)
+    consts = {**task.frozen(target), **jax.tree.map(jnp.array, state.buffers)}
     batch_size = cfg.train.batch_size
     features = jax.jit(_features, static_argnums=(0, 3))
     print(f"{task.name}, batch {batch_size}, features {cfg.train.features} (timed online), "

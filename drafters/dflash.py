@@ -137,12 +137,6 @@ class BlockArch:
         return config
 
 
-def target_head(target) -> jax.Array:
-    """The target's output projection as [H, V] (frozen, shared with the drafter)."""
-    p = target.params
-    return jnp.asarray(p["embed"]).T if target.cfg.tie_word_embeddings else jnp.asarray(p["lm_head"])
-
-
 def numpy_rng(key: jax.Array) -> np.random.Generator:
     """A NumPy generator seeded by a JAX key. Initialisation draws with NumPy: on XLA:CPU every distinct shape
     drawn with jax.random costs a compilation (seconds), and these weights are drawn once."""
@@ -179,21 +173,6 @@ def _layer(p: dict, i: int) -> dict:
     return {k: v[i] for k, v in p["layers"].items()}
 
 
-def _project(c: ModelConfig, w: dict, x: jax.Array, names: str):
-    """The q/k/v projections of one layer (bias, qk-norm as the target), un-roped: [..., heads, HD]."""
-    out = []
-    for n in names:
-        y = x @ w[f"w{n}"]
-        if c.attention_bias:
-            y = y + w[f"b{n}"]
-        heads = c.num_heads if n == "q" else c.num_kv_heads
-        y = y.reshape(y.shape[:-1] + (heads, c.head_dim))
-        if c.qk_norm and n in "qk":
-            y = transformer.rms_norm(y, w[f"{n}_norm"], c.rms_norm_eps)
-        out.append(y)
-    return out
-
-
 def _rope(c: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
     """RoPE for x [B, ..., heads, HD] at positions [B, ...] (any number of middle axes)."""
     lead = x.shape[:-2]
@@ -207,7 +186,8 @@ def context_kv(arch: BlockArch, p: dict, ctx: jax.Array, positions: jax.Array) -
     (Wk ctx with RoPE, Wv ctx), each [B, T, KVH, HD] (the `write_rows` input layout)."""
     out = []
     for i in range(arch.cfg.num_layers):
-        k, v = _project(arch.cfg, _layer(p, i), ctx, "kv")
+        w = _layer(p, i)
+        k, v = (transformer.project_heads(arch.cfg, w, ctx, name) for name in "kv")
         out.append((_rope(arch.cfg, k, positions), v))
     return out
 
@@ -248,18 +228,22 @@ def block_forward(arch: BlockArch, p: dict, embed: jax.Array, block_tokens: jax.
                   ctx_kv: list, ctx_ok: jax.Array) -> jax.Array:
     """The draft layers over N blocks per row: block_tokens/block_pos int32 [B, N, G]; ctx_kv per layer
     (k, v) in the cache layout [.., S, ..]; ctx_ok [B, N, S]. Returns the normed hidden states [B, N, G, H]
-    (what the lm_head reads)."""
+    (what the lm_head reads).
+
+    A draft layer is the target's pre-norm block (`transformer.decoder_layer`) but for its attention: block
+    queries over injected context keys plus their own block, bidirectionally, instead of a causal KV cache. So
+    it takes the target's projections, norm and MLP (`transformer.project_heads`, `rms_norm`, `mlp`: one
+    implementation, the target's parameter names) and only the attention is its own."""
     c = arch.cfg
     x = embed[block_tokens].astype(jnp.float32)
     for i in range(c.num_layers):
         w = _layer(p, i)
         h = transformer.rms_norm(x, w["attn_norm"], c.rms_norm_eps)
-        q, k, v = _project(c, w, h, "qkv")
+        q, k, v = (transformer.project_heads(c, w, h, name) for name in "qkv")
         q, k = _rope(c, q, block_pos), _rope(c, k, block_pos)
         ck, cv = ctx_kv[i]
         x = x + block_attention(q, k, v, _to_bkvsd(ck), _to_bkvsd(cv), ctx_ok) @ w["wo"]
-        h = transformer.rms_norm(x, w["mlp_norm"], c.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        x = x + transformer.mlp(w, transformer.rms_norm(x, w["mlp_norm"], c.rms_norm_eps))
     return transformer.rms_norm(x, p["final_norm"], c.rms_norm_eps)
 
 
@@ -312,7 +296,7 @@ def sample_anchors(batch: dict, num_anchors: int, key: jax.Array):
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashTask:
+class DFlashTask(T.TrainTask):
     """The training side of DFlash (see the module docstring)."""
 
     arch: BlockArch
@@ -345,7 +329,7 @@ class DFlashTask:
         return {"backbone": init_backbone(self.arch, key, self.target.params["final_norm"])}, buffers
 
     def frozen(self, target) -> dict:
-        return {"embed": target.params["embed"], "head": target_head(target)}
+        return {"embed": target.params["embed"], "head": target.output_projection()}
 
     # -- heads (DSpark overrides these) -------------------------------------------------------------------
     def slot_logits(self, params, consts, hidden, prev):
@@ -491,7 +475,7 @@ class DFlashDrafter(Drafter):
     @classmethod
     def from_trained(cls, arch, trained, buffers, target, num_draft_tokens):
         buffers = {k: jnp.asarray(v) for k, v in (buffers or {}).items()}
-        trained, head = jax.tree.map(jnp.asarray, trained), target_head(target)
+        trained, head = jax.tree.map(jnp.asarray, trained), target.output_projection()
         if "d2t" in buffers:  # slice the vocabulary once here, not in every round
             head, trained = head[:, buffers["d2t"]], cls.restrict_vocab(trained, buffers["d2t"])
         params = {"params": trained, "embed": jnp.asarray(target.params["embed"]), "head": head, **buffers}

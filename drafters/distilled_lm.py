@@ -51,7 +51,7 @@ def draft_logits(dcfg: ModelConfig, params, tokens: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class DistilledLMTask:
+class DistilledLMTask(T.TrainTask):
     dcfg: ModelConfig
     init_from: str = "target"
     target: Any = dataclasses.field(default=None, compare=False, repr=False)

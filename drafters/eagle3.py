@@ -210,7 +210,7 @@ def ttt_logits(arch: Eagle3Arch, params, embed, tokens, taps, num_steps: int, pa
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Task:
+class Eagle3Task(T.TrainTask):
     arch: Eagle3Arch
     ttt_steps: int = 7
     step_weight: float = 0.8

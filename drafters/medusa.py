@@ -80,7 +80,7 @@ def head_logits(arch: MedusaArch, params, consts, last: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaTask:
+class MedusaTask(T.TrainTask):
     arch: MedusaArch
     num_layers_target: int
     head_weight: float = 0.8

@@ -253,6 +253,45 @@ def data_artifact(data_dir) -> tuple[str, str, list[Path], dict]:
                                                          "num_prompts": manifest.get("num_prompts")}
 
 
+# Config keys that may change when a training run is resumed (everything else must match the stored config):
+# the run's length and bookkeeping, and what only decoding / evaluation with the trained drafter reads.
+RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
+                     "train.log_every", "tracking", "output", "description", "eval",
+                     "generation", "sampling", "data", "verify", "scheduler", "mesh", "drafter.num_draft_tokens",
+                     "drafter.params", "drafter.path")
+
+
+def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The dotted keys outside RESUMABLE_CHANGES whose values differ between two config dicts."""
+    keys = sorted(set(old) | set(new))
+    out = []
+    for k in keys:
+        name = f"{prefix}.{k}" if prefix else k
+        if any(name == r or name.startswith(r + ".") for r in RESUMABLE_CHANGES):
+            continue
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_diff(a, b, name)
+        elif a != b:
+            out.append(name)
+    return out
+
+
+def _claim_run_dir(run_dir: Path, config: dict) -> None:
+    """Refuse a run directory that holds a run (checkpoints) of another config, up to RESUMABLE_CHANGES; then
+    record `config` as the run's config.yaml. `train()` itself resumes from whatever checkpoints it finds."""
+    from specdec.train.checkpoint import CHECKPOINTS
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stored = run_dir / "config.yaml"
+    if stored.exists() and (run_dir / CHECKPOINTS).is_dir():
+        diff = _config_diff(yaml.safe_load(stored.read_text()) or {}, config)
+        if diff:
+            raise ValueError(f"{run_dir} holds a run with another config (differs in: {', '.join(diff)}); "
+                             "use another output.name, or delete the directory to start over")
+    stored.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
 def cmd_train(args) -> int:
     """Train `drafter.name` with `train.*` (options: train.drafter_options) on `train.data_dir`; the run goes to
     <output.dir>/<output.name or the config's stem>/ and resumes from its checkpoints when rerun."""
@@ -274,12 +313,13 @@ def cmd_train(args) -> int:
     target = build_target(cfg.model, cfg.mesh)
     drafters.available()  # drafter modules register their training tasks on import
     task = make_task(cfg.drafter.name, target, cfg.train.drafter_options)
+    _claim_run_dir(run_dir, to_dict(cfg))  # before the tracker: a refused run leaves its W&B run alone
     # a resumed run continues its W&B run (the id is kept in the run directory), linked to its data
     tracker = make_tracker(cfg.tracking, run_name=name, out_dir=run_dir, config=to_dict(cfg), resume_dir=run_dir)
     tracker.use_artifact(*data_artifact(cfg.train.data_dir))
     try:
         summary = train(task, target, data, cfg.train, run_dir, tracker=tracker, progress=not args.no_progress,
-                        full_config=to_dict(cfg), eval_draft_len=cfg.drafter.num_draft_tokens)
+                        eval_draft_len=cfg.drafter.num_draft_tokens)
     except TrainingDiverged as e:
         print(f"\nERROR: {e}", file=sys.stderr)
         return 3

@@ -86,7 +86,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str,
         # the engines draft a whole block by default (vLLM: num_speculative_tokens; SGLang: block_size - 1)
         k = num_draft_tokens or arch.drafts
         config, tensors, notes = B.to_peer(kind, arch, info["params"], info["buffers"], target.cfg, fmt,
-                                           embed=target.params["embed"], head=dflash.target_head(target),
+                                           embed=target.params["embed"], head=target.output_projection(),
                                            num_draft_tokens=int(k), verifier=verifier)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

@@ -330,6 +330,26 @@ def attend_with_new(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new:
     return _from_query_rows(out, q)
 
 
+def project_heads(cfg: ModelConfig, w: dict, x: jax.Array, name: str) -> jax.Array:
+    """One attention projection of a layer, `name` "q", "k" or "v": x [..., H] @ w{name} (+ b{name}) split
+    into heads [..., heads, HD], per-head RMSNorm'd for q and k when the config has qk-norm; not yet RoPE'd.
+    Shared with the draft layers of drafters/dflash.py, which project other inputs (its context features)
+    with the same weights."""
+    y = x @ w[f"w{name}"]
+    if cfg.attention_bias:
+        y = y + w[f"b{name}"]
+    heads = cfg.num_heads if name == "q" else cfg.num_kv_heads
+    y = y.reshape(y.shape[:-1] + (heads, cfg.head_dim))
+    if cfg.qk_norm and name != "v":
+        y = rms_norm(y, w[f"{name}_norm"], cfg.rms_norm_eps)
+    return y
+
+
+def mlp(w: dict, h: jax.Array) -> jax.Array:
+    """A layer's SwiGLU MLP on the normed residual stream h [..., H]."""
+    return (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+
+
 def decoder_layer(cfg: ModelConfig, w: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                   lengths: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array,
                   tree_mask: jax.Array | None = None):
@@ -338,17 +358,8 @@ def decoder_layer(cfg: ModelConfig, w: dict, x: jax.Array, k_cache: jax.Array, v
 
     With `tree_mask` [B, T, T] the cache is only read (`attend_with_new`) and the new K/V [B, T, KVH, HD]
     come back in place of the updated caches, for the caller to write once (`write_new_rows`)."""
-    b, t, _ = x.shape
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
-    if cfg.attention_bias:
-        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q, k, v = (project_heads(cfg, w, h, name) for name in "qkv")
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if tree_mask is not None:
         x = x + attend_with_new(q, k_cache, v_cache, k, v, lengths, tree_mask) @ w["wo"]
@@ -357,8 +368,7 @@ def decoder_layer(cfg: ModelConfig, w: dict, x: jax.Array, k_cache: jax.Array, v
         k_cache = write_rows(k_cache, k, lengths)
         v_cache = write_rows(v_cache, v, lengths)
         x = x + attend(q, k_cache, v_cache, mask) @ w["wo"]
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+    x = x + mlp(w, rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps))
     return x, k_cache, v_cache
 
 

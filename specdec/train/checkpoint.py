@@ -196,8 +196,7 @@ def load_trained(path: str | os.PathLike | None, name: str, target, config_stem:
                               f"{name} reads the target's embedding, so it cannot reproduce this drafter")
     head = info.get("head")  # an imported block drafter's lm_head [Vd, H]: specdec's uses the target's head
     if head is not None:
-        p = target.params
-        mine = np.asarray(p["embed"] if target.cfg.tie_word_embeddings else np.asarray(p["lm_head"]).T, np.float32)
+        mine = np.asarray(target.output_projection(), np.float32).T  # [V, H], as the imported head
         d2t = info["buffers"].get("d2t")
         mine = mine if d2t is None else mine[np.asarray(d2t)]
         if np.shape(head) != mine.shape or not np.allclose(np.asarray(head, np.float32), mine, rtol=1e-3, atol=1e-3):

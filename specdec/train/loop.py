@@ -14,6 +14,15 @@
   `TrainingDiverged` (the checkpoints on disk are all from finite steps);
 - tracking through an injected `specdec.tracking.Tracker` (e.g. `experiments.tracking.make_tracker`'s W&B
   run), plus metrics.jsonl and summary.json in the run directory.
+
+Whether a run directory that already holds a run may be resumed with a changed config is the caller's rule
+(`specdec train` refuses one whose config differs outside a list of resumable keys, `experiments/cli.py`): this
+loop resumes from whatever checkpoints `run_dir` holds.
+
+The phases of `train()`, each a function below: the examples and their batches (`Examples`, `Batches`), the
+features (`open_features`), the state (`initial_state`, then `resume` from a checkpoint), and the loop
+(`_loop`: a jitted `train_step` per batch, with log / checkpoint / eval every N steps), evaluation and saving
+through the `Run` they share.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +46,9 @@ from specdec import sharding
 from specdec.tracking import Tracker
 from specdec.train import checkpoint as ckpt_lib
 from specdec.train.data import DistillData
-from specdec.train.features import (build_feature_cache, cached_features, data_fingerprint, online_features,
-                                    open_feature_cache, stored_taps)
-from specdec.train.tasks import expected_tau_sums, slot_valid, tree_size
+from specdec.train.features import (FeatureCache, build_feature_cache, cached_features, data_fingerprint,
+                                    online_features, open_feature_cache, stored_taps)
+from specdec.train.tasks import TrainTask, expected_tau_sums, slot_valid, tree_size
 
 
 class TrainingDiverged(RuntimeError):
@@ -72,6 +81,35 @@ def make_optimizer(h: Hyper) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """What a train step changes and a checkpoint holds (with the data position, kept in the checkpoint's meta)."""
+
+    params: Any  # the trainable pytree
+    buffers: Any  # saved non-trainable arrays (a d2t map, DSpark's calibrated temperatures)
+    opt_state: Any
+    step: jax.Array  # int32 []: updates applied (a non-finite step is not applied and not counted)
+    key: jax.Array  # the training rng, split once per step
+
+    @classmethod
+    def create(cls, params, buffers, hyper: Hyper, seed: int) -> "TrainState":
+        """The state before step 1, in buffers of its own: the step donates the state, and a task's init may
+        return arrays of the target's (which must survive)."""
+        state = cls(params=params, buffers=buffers, opt_state=make_optimizer(hyper).init(params),
+                    step=jnp.int32(0), key=jax.random.PRNGKey(seed + 1))
+        return jax.tree.map(jnp.array, state)
+
+    # Checkpoints hold the state as a dict of these five names (the layout of every saved run, which
+    # `checkpoint.load_drafter` reads without this class), so the dataclass is converted at the orbax boundary.
+    def to_checkpoint(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_checkpoint(cls, tree: dict) -> "TrainState":
+        return cls(**{f.name: tree[f.name] for f in dataclasses.fields(cls)})
+
+
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """Static settings of the compiled train/eval steps (hashable, so equal runs share one compilation)."""
@@ -91,21 +129,22 @@ def _features(spec: StepSpec, tparams, batch, logits: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
-def train_step(spec: StepSpec, state: dict, consts, tparams, batch: dict):
-    key, sub = jax.random.split(state["key"])
+def train_step(spec: StepSpec, state: TrainState, consts, tparams, batch: dict):
+    key, sub = jax.random.split(state.key)
     feats = _features(spec, tparams, batch, spec.task.needs_target_logits)
     grad_fn = jax.value_and_grad(spec.task.loss, has_aux=True)
-    (loss, metrics), grads = grad_fn(state["params"], consts, batch, feats, sub)
+    (loss, metrics), grads = grad_fn(state.params, consts, batch, feats, sub)
     grad_norm = optax.tree.norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     tx = make_optimizer(spec.hyper)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    new_state = {**state, "params": keep(params, state["params"]), "opt_state": keep(opt_state, state["opt_state"]),
-                 "step": state["step"] + ok.astype(jnp.int32), "key": key}
+    new_state = dataclasses.replace(state, params=keep(params, state.params),
+                                    opt_state=keep(opt_state, state.opt_state),
+                                    step=state.step + ok.astype(jnp.int32), key=key)
     metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "finite": ok,
-               "lr": learning_rate(spec.hyper)(state["step"])}
+               "lr": learning_rate(spec.hyper)(state.step)}
     return new_state, metrics
 
 
@@ -116,6 +155,10 @@ def eval_step(spec: StepSpec, params, consts, tparams, batch: dict):
     sums = expected_tau_sums(ev, slot_valid(batch, spec.eval_steps))
     return {**sums, "loss": loss}
 
+
+# ---------------------------------------------------------------------------------------------------------
+# Examples and batches
+# ---------------------------------------------------------------------------------------------------------
 
 class BatchOrder:
     """Indices of each batch: a seeded permutation per epoch, consumed in order (wrapping into the next epoch).
@@ -168,45 +211,80 @@ class BatchOrder:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
 
-def _host(x) -> Any:
-    x = np.asarray(x)
-    return x.item() if x.ndim == 0 else x.tolist()
+@dataclasses.dataclass(frozen=True)
+class Examples:
+    """The data as fixed-shape arrays (`DistillData.padded`), split into training and held-out indices."""
+
+    arrays: dict[str, np.ndarray]  # tokens, loss_mask, lengths
+    train_idx: np.ndarray
+    eval_idx: np.ndarray  # sorted by length when batches are length-grouped (the eval sums do not depend on it)
+    lengths: np.ndarray | None  # example lengths when batches are length-grouped (train.length_buckets), else None
+
+    @classmethod
+    def split(cls, data: DistillData, cfg, pad_id: int) -> "Examples":
+        arrays = data.padded(cfg.seq_len, pad_id)
+        train_idx, eval_idx = data.split_indices(cfg.eval_examples)
+        lengths = arrays["lengths"] if cfg.length_buckets else None
+        if lengths is not None:  # held-out batches of similar lengths too
+            eval_idx = eval_idx[np.argsort(lengths[eval_idx], kind="stable")]
+        return cls(arrays, train_idx, eval_idx, lengths)
 
 
-# Config keys that may change when a run is resumed (everything else must match the stored config).
-RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
-                     "train.log_every", "tracking", "output", "description", "eval",
-                     "generation", "sampling", "data", "verify", "scheduler", "mesh", "drafter.num_draft_tokens",
-                     "drafter.params", "drafter.path")
+class Batches:
+    """Device batches of example rows, each padded to the smallest length bucket that holds its longest row."""
+
+    def __init__(self, arrays: dict, buckets: tuple[int, ...], cache: FeatureCache | None, mesh):
+        self.arrays, self.buckets, self.cache, self.mesh = arrays, buckets, cache, mesh
+
+    def __call__(self, rows: np.ndarray, real: int | None = None) -> dict:
+        arrays = self.arrays
+        width = next(b for b in self.buckets if b >= arrays["lengths"][rows].max())  # this batch's padded length
+        batch = {"tokens": arrays["tokens"][rows, :width], "loss_mask": arrays["loss_mask"][rows, :width].copy(),
+                 "lengths": arrays["lengths"][rows].copy()}
+        if real is not None:  # rows past `real` only pad the last eval batch: no valid labels
+            batch["loss_mask"][real:] = 0
+            batch["lengths"][real:] = 0
+        if self.cache is not None:
+            batch["feats"] = self.cache.batch(rows, batch["lengths"], width)
+        if self.mesh is not None:  # data parallelism: rows split over the mesh's data axis
+            return sharding.place_batch(batch, self.mesh)
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+
+    def heldout(self, eval_idx: np.ndarray, batch_size: int) -> Iterator[dict]:
+        """The held-out examples in full batches (the last one filled with copies of its last row, masked out)."""
+        for start in range(0, len(eval_idx), batch_size):
+            rows = eval_idx[start: start + batch_size]
+            yield self(np.concatenate([rows, np.repeat(rows[-1:], batch_size - len(rows))]), len(rows))
 
 
-def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
-    keys = sorted(set(old) | set(new))
-    out = []
-    for k in keys:
-        name = f"{prefix}.{k}" if prefix else k
-        if any(name == r or name.startswith(r + ".") for r in RESUMABLE_CHANGES):
-            continue
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_diff(a, b, name)
-        elif a != b:
-            out.append(name)
-    return out
+def open_features(task: TrainTask, target, cfg, run: Path, examples: Examples, progress: bool,
+                  log: Callable[[str], None]) -> tuple[tuple[int, ...] | None, FeatureCache | None]:
+    """(stored layers, cache) of `train.features: cached` (built on first use, shared by runs over the same
+    data); (None, None) for online features, computed in the step."""
+    if cfg.features != "cached":
+        return None, None
+    logits = True  # eval needs logits, so the cache always keeps the last layer
+    stored = stored_taps(task.taps, target.cfg.num_layers, logits)
+    arrays, seq_len = examples.arrays, cfg.seq_len
+    fdir = Path(cfg.features_dir) if cfg.features_dir else (
+        Path(cfg.data_dir or run) / "features" / f"taps{'-'.join(map(str, stored))}_len{seq_len}_{cfg.features_dtype}")
+    expect = {"stored_taps": list(stored), "target": target.cfg.name, "seq_len": seq_len,
+              "data": data_fingerprint(arrays["tokens"], arrays["lengths"]), "dtype": cfg.features_dtype}
+    cache = open_feature_cache(fdir, expect)
+    if cache is None:
+        log(f"caching target features ({len(stored)} taps: {stored}) in {fdir}")
+        cache = build_feature_cache(target, arrays, task.taps, logits, fdir, dtype=cfg.features_dtype,
+                                    batch_size=cfg.batch_size, progress=progress)
+    log(f"feature cache: {cache.bytes_per_token} bytes/token, {cache.meta['num_tokens']} tokens, "
+        f"{cache.bytes_per_token * cache.meta['num_tokens'] / 1e6:.1f} MB ({fdir})")
+    return stored, cache
 
 
-def calibrate(task, spec: StepSpec, state: dict, consts, target, eval_idx, batch_size: int, make_batch) -> dict:
-    """New buffers from `task.calibrate(params, consts, [(batch, feats), ...])` over the held-out examples."""
-    feats_fn = jax.jit(_features, static_argnums=(0, 3))
-    pairs = []
-    for start in range(0, len(eval_idx), batch_size):
-        rows = eval_idx[start: start + batch_size]
-        batch = make_batch(np.concatenate([rows, np.repeat(rows[-1:], batch_size - len(rows))]), len(rows))
-        pairs.append((batch, feats_fn(spec, target.params, batch, True)))
-    return task.calibrate(state["params"], consts, pairs)
+# ---------------------------------------------------------------------------------------------------------
+# The state: a fresh init (or a trained drafter's weights), or a checkpoint to resume
+# ---------------------------------------------------------------------------------------------------------
 
-
-def initial_weights(path: str, task, target, params, buffers) -> tuple[Any, Any]:
+def initial_weights(path: str, task: TrainTask, target, params, buffers) -> tuple[Any, Any]:
     """The params and buffers of the trained drafter at `path`, checked against a fresh init of this task (same
     drafter, target, architecture config and array shapes), in the fresh init's dtypes. The task's
     `training_keys` (loss weights, anchors per sequence, ...) may differ; a buffer the source lacks (e.g. a d2t
@@ -215,7 +293,7 @@ def initial_weights(path: str, task, target, params, buffers) -> tuple[Any, Any]
     ckpt_lib.check_target(info, target, f"train.init_from {path}")
     mine = task.config()
     theirs = info["config"]
-    free = set(getattr(task, "training_keys", ()))
+    free = set(task.training_keys)
     differ = sorted(k for k in set(mine) | set(theirs) if k not in free and mine.get(k) != theirs.get(k))
     if differ:
         there = ", ".join(f"{k}={theirs.get(k)!r}" for k in differ)
@@ -239,6 +317,126 @@ def initial_weights(path: str, task, target, params, buffers) -> tuple[Any, Any]
     return same_shapes(params, info["params"], "parameters"), {**buffers, **loaded}
 
 
+def initial_state(task: TrainTask, target, data: DistillData, examples: Examples, cfg, hyper: Hyper, mesh,
+                  fresh_run: bool, log: Callable[[str], None]) -> TrainState:
+    """The state before step 1: the task's init (from the training examples' token counts), or with
+    `train.init_from` on a fresh run the weights of that trained drafter. On a sharded target's mesh it is
+    placed there, so a restore onto it gets this mesh's shardings whatever mesh the checkpoint was saved from."""
+    counts = data.subset(examples.train_idx).token_counts(target.cfg.vocab_size)
+    params, buffers = task.init(jax.random.PRNGKey(cfg.seed), counts)
+    if cfg.init_from and fresh_run:  # a resumed run continues from its own checkpoints
+        params, buffers = initial_weights(cfg.init_from, task, target, params, buffers)
+        log(f"initialised from {cfg.init_from}")
+    return sharding.place_drafter_state(TrainState.create(params, buffers, hyper, cfg.seed), mesh)
+
+
+def resume(store: ckpt_lib.CheckpointStore, step: int, like: TrainState, examples: Examples,
+           cfg) -> tuple[TrainState, BatchOrder]:
+    """The state and data position saved at `step`, restored onto `like`'s shapes, dtypes and shardings."""
+    tree, meta = store.restore(step, like=like.to_checkpoint())
+    state = TrainState.from_checkpoint(jax.tree.map(jnp.asarray, tree))
+    order = BatchOrder(examples.train_idx, cfg.batch_size, cfg.seed, meta["epoch"], meta["cursor"],
+                       lengths=examples.lengths)
+    if int(state.step) != step or meta.get("train_examples") != len(examples.train_idx):
+        raise ckpt_lib.CheckpointError(f"checkpoint {step} in {store.dir} does not match this data "
+                                       f"(step {int(state.step)}, {meta.get('train_examples')} training "
+                                       f"examples there, {len(examples.train_idx)} here)")
+    return state, order
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run: evaluation, checkpoints, metrics, and the loop
+# ---------------------------------------------------------------------------------------------------------
+
+def _host(x) -> Any:
+    x = np.asarray(x)
+    return x.item() if x.ndim == 0 else x.tolist()
+
+
+class MetricsLog:
+    """metrics.jsonl in the run directory, and the tracker's metrics."""
+
+    def __init__(self, path: Path, tracker: Tracker | None):
+        # multi-host: one writer of the shared run directory (every process computes the same metrics)
+        self.file = path.open("a") if jax.process_index() == 0 else open(os.devnull, "w")
+        self.tracker = tracker
+
+    def emit(self, kind: str, step: int, values: dict) -> None:
+        self.file.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        self.file.flush()
+        if self.tracker is not None:
+            self.tracker.log_metrics({f"{kind}/{k}": v for k, v in values.items()
+                                      if not isinstance(v, (list, str))}, step=step)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the phases of one `train()` share, everything but the state."""
+
+    task: TrainTask
+    target: Any
+    cfg: Any  # TrainConfig
+    spec: StepSpec
+    consts: dict  # {**task.frozen(target), **buffers}: the loss's non-trainable inputs
+    examples: Examples
+    batches: Batches
+    order: BatchOrder  # the data position: advanced by the loop, saved in every checkpoint
+    store: ckpt_lib.CheckpointStore
+    metrics: MetricsLog
+    log: Callable[[str], None]
+    history: list = dataclasses.field(default_factory=list)  # every evaluation, for the summary
+
+    def evaluate(self, state: TrainState, step: int) -> dict | None:
+        """The held-out loss, expected / greedy tau and acceptance by draft step (None without held-out data)."""
+        if len(self.examples.eval_idx) == 0:
+            return None
+        sums: dict[str, Any] = {}
+        n_batches = 0
+        for batch in self.batches.heldout(self.examples.eval_idx, self.cfg.batch_size):
+            out = jax.device_get(eval_step(self.spec, state.params, self.consts, self.target.params, batch))
+            n_batches += 1
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0) + np.asarray(v, np.float64)
+        slots = max(float(sums["slots"]), 1.0)
+        result = {"loss": float(sums["loss"]) / n_batches, "expected_tau": float(sums["tau"]) / slots,
+                  "greedy_tau": float(sums["greedy_tau"]) / slots,
+                  "acceptance_by_step": [round(float(a) / slots, 4) for a in sums["alpha"]],
+                  "slots": int(sums["slots"]), "draft_len": self.spec.eval_steps}
+        self.metrics.emit("eval", step, result)
+        self.history.append({"step": step, **result})
+        return result
+
+    def save(self, state: TrainState, step: int) -> None:
+        meta = {"step": step, **self.order.position(), "train_examples": len(self.examples.train_idx),
+                "seed": self.cfg.seed}
+        self.store.save(step, state.to_checkpoint(), meta)
+
+    def calibrate(self, state: TrainState) -> TrainState:
+        """The state with the buffers `task.calibrate` fits on the held-out examples after training (DSpark's
+        confidence temperatures); unchanged for a task that fits nothing or without held-out data."""
+        if len(self.examples.eval_idx) == 0:
+            return state
+        feats_fn = jax.jit(_features, static_argnums=(0, 3))
+        pairs = ((batch, feats_fn(self.spec, self.target.params, batch, True))
+                 for batch in self.batches.heldout(self.examples.eval_idx, self.cfg.batch_size))
+        fitted = self.task.calibrate(state.params, self.consts, pairs)  # draws on `pairs` only if it fits
+        if fitted is None:
+            return state
+        self.log(f"calibrated {self.task.name} on {len(self.examples.eval_idx)} held-out examples")
+        return dataclasses.replace(state, buffers={**state.buffers, **fitted})  # the other buffers (d2t) stay
+
+
+@dataclasses.dataclass
+class LoopEnd:
+    state: TrainState
+    step: int
+    status: str  # "complete" or "interrupted" (Ctrl-C or SIGTERM: the step reached is saved)
+    tokens_seen: int  # real (unpadded) tokens trained on in this call
+
+
 def _catch_sigterm(flag: list) -> Callable[[], None]:
     """Record SIGTERM in `flag` instead of dying; returns the function that puts the old handler back. Signal
     handlers can only be set from the main thread: elsewhere SIGTERM keeps its default."""
@@ -248,148 +446,102 @@ def _catch_sigterm(flag: list) -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
-def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker: Tracker | None = None,
-          progress: bool = True, full_config: dict | None = None, eval_draft_len: int = 5,
-          hook: Callable[[int, dict], None] | None = None, log: Callable[[str], None] = print) -> dict:
+def _loop(run: Run, state: TrainState, last_saved: int | None, terminated: list, progress: bool,
+          hook: Callable[[int, dict], None] | None) -> LoopEnd:
+    """Train steps up to `train.steps`. After each: the train metrics averaged over the last `log_every` steps,
+    a checkpoint every `checkpoint_every` steps and an evaluation every `eval_every` steps (the last step is
+    always logged and saved; its evaluation is the caller's final one), then `hook`. A non-finite step raises
+    `TrainingDiverged`; Ctrl-C, or SIGTERM recorded in `terminated`, stops after the running step and saves it."""
+    from tqdm.auto import tqdm
+
+    cfg = run.cfg
+    step = int(state.step)
+    tokens_seen = 0
+    window: list[dict] = []
+    t_loop = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {run.task.name}", disable=not progress, dynamic_ncols=True)
+    try:
+        while step < cfg.steps:
+            batch = run.batches(run.order.next())
+            state, m = train_step(run.spec, state, run.consts, run.target.params, batch)
+            m = jax.device_get(m)
+            if not bool(m["finite"]):
+                where = (f"the last good checkpoint is step {last_saved} in {run.store.dir}" if last_saved is not None
+                         else "no checkpoint was saved yet")
+                msg = (f"non-finite loss/gradient at step {step + 1} (loss={float(m['loss'])}, "
+                       f"grad_norm={float(m['grad_norm'])}); training stopped and that update was not applied; "
+                       f"{where}. Lower train.lr, raise train.warmup_frac or check the data.")
+                run.metrics.emit("error", step + 1, {"message": msg})
+                raise TrainingDiverged(msg)
+            step += 1
+            tokens_seen += int(sharding.to_host(batch["lengths"]).sum())  # rows may live on other hosts
+            window.append({k: _host(v) for k, v in m.items() if k != "finite"})
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                avg = {k: float(np.mean([w[k] for w in window])) for k in window[0]
+                       if not isinstance(window[0][k], list)}
+                avg["tokens_per_second"] = tokens_seen / max(time.perf_counter() - t_loop, 1e-9)
+                run.metrics.emit("train", step, avg)
+                bar.set_postfix(loss=f"{avg['loss']:.3f}", refresh=False)
+                window = []
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                run.save(state, step)
+                last_saved = step
+            if step % cfg.eval_every == 0 and step != cfg.steps:
+                run.evaluate(state, step)
+            if hook is not None:
+                hook(step, m)
+            if terminated:
+                run.log(f"\nSIGTERM received at step {step}")
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        if last_saved != step:
+            run.save(state, step)
+        run.log(f"\ninterrupted at step {step}: checkpoint saved in {run.store.dir}; run the same command again "
+                "to resume")
+        return LoopEnd(state, step, "interrupted", tokens_seen)
+    finally:
+        bar.close()
+    return LoopEnd(state, step, "complete", tokens_seen)
+
+
+def train(task: TrainTask, target, data: DistillData, cfg, run_dir: str | Path, *, tracker: Tracker | None = None,
+          progress: bool = True, eval_draft_len: int = 5, hook: Callable[[int, dict], None] | None = None,
+          log: Callable[[str], None] = print) -> dict:
     """Train `task` on `data` with the settings of `cfg` (a `specdec.config.TrainConfig`) into `run_dir`.
 
     Resumes from `run_dir/checkpoints` when it holds any. `hook(step, metrics)` runs after every step (tests
     use it to interrupt a run). Returns the summary (also written to run_dir/summary.json)."""
-    import yaml
-    from tqdm.auto import tqdm
-
     t_start = time.perf_counter()
-    run = Path(run_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    if full_config is not None:
-        stored_cfg = run / "config.yaml"
-        if stored_cfg.exists() and (run / ckpt_lib.CHECKPOINTS).is_dir():
-            diff = _config_diff(yaml.safe_load(stored_cfg.read_text()) or {}, full_config)
-            if diff:
-                raise ValueError(f"{run} holds a run with another config (differs in: {', '.join(diff)}); "
-                                 "use another output.name, or delete the directory to start over")
-        stored_cfg.write_text(yaml.safe_dump(full_config, sort_keys=False))
-
-    seq_len = cfg.seq_len
+    run_path = Path(run_dir)
+    run_path.mkdir(parents=True, exist_ok=True)
     mesh = sharding.mesh_of(target)  # None: one device
     sharding.check_batch(cfg.batch_size, mesh, "train.batch_size")
-    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
-    arrays = data.padded(seq_len, pad)
-    train_idx, eval_idx = data.split_indices(cfg.eval_examples)
-    k_eval = min(eval_draft_len, task.max_eval_steps or eval_draft_len)
-
-    # Features: online (default) or a disk cache shared by runs over the same data.
-    stored = None
-    cache = None
-    if cfg.features == "cached":
-        logits = True  # eval needs logits, so the cache always keeps the last layer
-        stored = stored_taps(task.taps, target.cfg.num_layers, logits)
-        fdir = Path(cfg.features_dir) if cfg.features_dir else (
-            Path(cfg.data_dir or run) / "features" / f"taps{'-'.join(map(str, stored))}_len{seq_len}_{cfg.features_dtype}")
-        expect = {"stored_taps": list(stored), "target": target.cfg.name, "seq_len": seq_len,
-                  "data": data_fingerprint(arrays["tokens"], arrays["lengths"]), "dtype": cfg.features_dtype}
-        cache = open_feature_cache(fdir, expect)
-        if cache is None:
-            log(f"caching target features ({len(stored)} taps: {stored}) in {fdir}")
-            cache = build_feature_cache(target, arrays, task.taps, logits, fdir, dtype=cfg.features_dtype,
-                                        batch_size=cfg.batch_size, progress=progress)
-        log(f"feature cache: {cache.bytes_per_token} bytes/token, {cache.meta['num_tokens']} tokens, "
-            f"{cache.bytes_per_token * cache.meta['num_tokens'] / 1e6:.1f} MB ({fdir})")
-
-    buckets = tuple(cfg.length_buckets) + (seq_len,)
-
-    def make_batch(rows: np.ndarray, real: int | None = None) -> dict:
-        width = next(b for b in buckets if b >= arrays["lengths"][rows].max())  # this batch's padded length
-        batch = {"tokens": arrays["tokens"][rows, :width], "loss_mask": arrays["loss_mask"][rows, :width].copy(),
-                 "lengths": arrays["lengths"][rows].copy()}
-        if real is not None:  # rows past `real` only pad the last eval batch: no valid labels
-            batch["loss_mask"][real:] = 0
-            batch["lengths"][real:] = 0
-        if cache is not None:
-            batch["feats"] = cache.batch(rows, batch["lengths"], width)
-        if mesh is not None:  # data parallelism: rows split over the mesh's data axis
-            return sharding.place_batch(batch, mesh)
-        return {k: jnp.asarray(v) for k, v in batch.items()}
-
+    examples = Examples.split(data, cfg, target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0)
+    stored, cache = open_features(task, target, cfg, run_path, examples, progress, log)
+    batches = Batches(examples.arrays, tuple(cfg.length_buckets) + (cfg.seq_len,), cache, mesh)
     hyper = Hyper.from_config(cfg)
-    spec = StepSpec(task=task, hyper=hyper, cfg=target.cfg, forward=target.forward, stored=stored, eval_steps=k_eval)
-    tx = make_optimizer(hyper)
-    counts = data.subset(train_idx).token_counts(target.cfg.vocab_size)
-    params, buffers = task.init(jax.random.PRNGKey(cfg.seed), counts)
-    store = ckpt_lib.CheckpointStore(run / ckpt_lib.CHECKPOINTS, keep=cfg.keep_checkpoints)
+    spec = StepSpec(task=task, hyper=hyper, cfg=target.cfg, forward=target.forward, stored=stored,
+                    eval_steps=min(eval_draft_len, task.max_eval_steps or eval_draft_len))
+
+    store = ckpt_lib.CheckpointStore(run_path / ckpt_lib.CHECKPOINTS, keep=cfg.keep_checkpoints)
     resumed_from = store.latest_step()
-    if cfg.init_from and resumed_from is None:  # a resumed run continues from its own checkpoints
-        params, buffers = initial_weights(cfg.init_from, task, target, params, buffers)
-        log(f"initialised from {cfg.init_from}")
-    state = {"params": params, "buffers": buffers, "opt_state": tx.init(params), "step": jnp.int32(0),
-             "key": jax.random.PRNGKey(cfg.seed + 1)}
-    state = jax.tree.map(jnp.array, state)  # own buffers: the step donates the state (init may alias the target)
-    # On a sharded target's mesh the state is placed there before any restore, so orbax restores onto this mesh's
-    # shardings whatever mesh the checkpoint was saved from.
-    state = sharding.place_drafter_state(state, mesh)
-    by_length = arrays["lengths"] if cfg.length_buckets else None
-    if by_length is not None:  # held-out batches of similar lengths too (the sums do not depend on grouping)
-        eval_idx = eval_idx[np.argsort(by_length[eval_idx], kind="stable")]
-    order = BatchOrder(train_idx, cfg.batch_size, cfg.seed, lengths=by_length)
-    ckpt_lib.write_drafter_config(run, task.name, task.config(), ckpt_lib.target_info(target))
+    state = initial_state(task, target, data, examples, cfg, hyper, mesh, resumed_from is None, log)
+    order = BatchOrder(examples.train_idx, cfg.batch_size, cfg.seed, lengths=examples.lengths)
+    ckpt_lib.write_drafter_config(run_path, task.name, task.config(), ckpt_lib.target_info(target))
     if resumed_from is not None:
-        state, meta = store.restore(resumed_from, like=state)
-        state = jax.tree.map(jnp.asarray, state)
-        order = BatchOrder(train_idx, cfg.batch_size, cfg.seed, meta["epoch"], meta["cursor"], lengths=by_length)
-        if int(state["step"]) != resumed_from or meta.get("train_examples") != len(train_idx):
-            raise ckpt_lib.CheckpointError(f"checkpoint {resumed_from} in {store.dir} does not match this data "
-                                           f"(step {int(state['step'])}, {meta.get('train_examples')} training "
-                                           f"examples there, {len(train_idx)} here)")
-        log(f"resuming {run} from step {resumed_from} (epoch {order.epoch}, example {order.cursor})")
+        state, order = resume(store, resumed_from, state, examples, cfg)
+        log(f"resuming {run_path} from step {resumed_from} (epoch {order.epoch}, example {order.cursor})")
     # copies: the state (which holds the buffers too) is donated to the step, consts are not
-    consts = {**task.frozen(target), **jax.tree.map(jnp.array, state["buffers"])}
+    consts = {**task.frozen(target), **jax.tree.map(jnp.array, state.buffers)}
+    run = Run(task, target, cfg, spec, consts, examples, batches, order, store,
+              MetricsLog(run_path / "metrics.jsonl", tracker), log)
 
-    # multi-host: one writer of the shared run directory (every process computes the same metrics)
-    metrics_file = (run / "metrics.jsonl").open("a") if jax.process_index() == 0 else open(os.devnull, "w")
-
-    def emit(kind: str, step: int, values: dict) -> None:
-        record = {"kind": kind, "step": step, **values}
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
-        if tracker is not None:
-            tracker.log_metrics({f"{kind}/{k}": v for k, v in values.items() if not isinstance(v, (list, str))},
-                                step=step)
-
-    def evaluate(step: int) -> dict | None:
-        if len(eval_idx) == 0:
-            return None
-        sums: dict[str, Any] = {}
-        n_batches = 0
-        for start in range(0, len(eval_idx), cfg.batch_size):
-            rows = eval_idx[start: start + cfg.batch_size]
-            real = len(rows)
-            rows = np.concatenate([rows, np.repeat(rows[-1:], cfg.batch_size - real)])
-            out = jax.device_get(eval_step(spec, state["params"], consts, target.params, make_batch(rows, real)))
-            n_batches += 1
-            for k, v in out.items():
-                sums[k] = sums.get(k, 0) + np.asarray(v, np.float64)
-        slots = max(float(sums["slots"]), 1.0)
-        result = {"loss": float(sums["loss"]) / n_batches, "expected_tau": float(sums["tau"]) / slots,
-                  "greedy_tau": float(sums["greedy_tau"]) / slots,
-                  "acceptance_by_step": [round(float(a) / slots, 4) for a in sums["alpha"]],
-                  "slots": int(sums["slots"]), "draft_len": k_eval}
-        emit("eval", step, result)
-        history.append({"step": step, **result})
-        return result
-
-    def save(step: int) -> None:
-        meta = {"step": step, **order.position(), "train_examples": len(train_idx), "seed": cfg.seed}
-        store.save(step, state, meta)
-
-    history: list[dict] = []
-    step = int(state["step"])
-    log(f"training {task.name}: {tree_size(state['params']):,} trainable parameters, {len(train_idx)} train / "
-        f"{len(eval_idx)} held-out examples, batch {cfg.batch_size} x {seq_len} tokens, steps {step}->{cfg.steps}, "
-        f"features {cfg.features}")
-    tokens_seen = 0
+    step = int(state.step)
+    log(f"training {task.name}: {tree_size(state.params):,} trainable parameters, {len(examples.train_idx)} train "
+        f"/ {len(examples.eval_idx)} held-out examples, batch {cfg.batch_size} x {cfg.seq_len} tokens, steps "
+        f"{step}->{cfg.steps}, features {cfg.features}")
     t_loop = time.perf_counter()
-    last_saved = resumed_from
-    status = "complete"
     first_eval = final_eval = None
     # Preemption (SIGTERM, e.g. a spot VM or a cluster scheduler) stops like Ctrl-C: the running step finishes,
     # a checkpoint is saved and rerunning resumes. The flag is checked between steps so a signal never lands
@@ -397,80 +549,33 @@ def train(task, target, data: DistillData, cfg, run_dir: str | Path, *, tracker:
     terminated: list[int] = []
     restore_sigterm = _catch_sigterm(terminated)
     try:
-        first_eval = evaluate(step) if step == 0 else None
-        bar = tqdm(total=cfg.steps, initial=step, desc=f"train {task.name}", disable=not progress,
-                   dynamic_ncols=True)
-        window: list[dict] = []
+        first_eval = run.evaluate(state, step) if step == 0 else None
         t_loop = time.perf_counter()
-        try:
-            while step < cfg.steps:
-                batch = make_batch(order.next())
-                state, m = train_step(spec, state, consts, target.params, batch)
-                m = jax.device_get(m)
-                if not bool(m["finite"]):
-                    where = (f"the last good checkpoint is step {last_saved} in {store.dir}" if last_saved is not None
-                             else "no checkpoint was saved yet")
-                    msg = (f"non-finite loss/gradient at step {step + 1} (loss={float(m['loss'])}, "
-                           f"grad_norm={float(m['grad_norm'])}); training stopped and that update was not applied; "
-                           f"{where}. Lower train.lr, raise train.warmup_frac or check the data.")
-                    emit("error", step + 1, {"message": msg})
-                    raise TrainingDiverged(msg)
-                step += 1
-                tokens_seen += int(sharding.to_host(batch["lengths"]).sum())  # rows may live on other hosts
-                window.append({k: _host(v) for k, v in m.items() if k != "finite"})
-                bar.update(1)
-                if step % cfg.log_every == 0 or step == cfg.steps:
-                    elapsed = time.perf_counter() - t_loop
-                    avg = {k: float(np.mean([w[k] for w in window])) for k in window[0]
-                           if not isinstance(window[0][k], list)}
-                    avg["tokens_per_second"] = tokens_seen / max(elapsed, 1e-9)
-                    emit("train", step, avg)
-                    bar.set_postfix(loss=f"{avg['loss']:.3f}", refresh=False)
-                    window = []
-                if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                    save(step)
-                    last_saved = step
-                if step % cfg.eval_every == 0 and step != cfg.steps:
-                    evaluate(step)
-                if hook is not None:
-                    hook(step, m)
-                if terminated:
-                    log(f"\nSIGTERM received at step {step}")
-                    raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            status = "interrupted"
-            if last_saved != step:
-                save(step)
-                last_saved = step
-            log(f"\ninterrupted at step {step}: checkpoint saved in {store.dir}; run the same command again to "
-                "resume")
-        finally:
-            bar.close()
-        if status == "complete":
-            final_eval = evaluate(step)
-            if hasattr(task, "calibrate") and len(eval_idx):  # e.g. DSpark's confidence temperatures
-                fitted = calibrate(task, spec, state, consts, target, eval_idx, cfg.batch_size, make_batch)
-                state["buffers"] = {**state["buffers"], **fitted}  # the other buffers (a d2t map) stay
-                log(f"calibrated {task.name} on {len(eval_idx)} held-out examples")
-        export = ckpt_lib.export_params(run, state["params"], state["buffers"], step)
+        end = _loop(run, state, resumed_from, terminated, progress, hook)
+        state = end.state
+        if end.status == "complete":
+            final_eval = run.evaluate(state, end.step)
+            state = run.calibrate(state)
+        export = ckpt_lib.export_params(run_path, state.params, state.buffers, end.step)
     finally:
         restore_sigterm()
-        metrics_file.close()
+        run.metrics.close()
         store.close()
     elapsed = time.perf_counter() - t_loop
     summary = {
-        "status": status, "drafter": task.name, "run_dir": str(run), "export": str(export), "steps": step,
-        "resumed_from": resumed_from, "trainable_parameters": tree_size(state["params"]),
-        "train_examples": len(train_idx), "eval_examples": len(eval_idx), "batch_size": cfg.batch_size,
-        "seq_len": seq_len, "features": cfg.features, "seconds": round(time.perf_counter() - t_start, 1),
-        "train_tokens_per_second": round(tokens_seen / elapsed, 1) if elapsed > 0 and tokens_seen else None,
+        "status": end.status, "drafter": task.name, "run_dir": str(run_path), "export": str(export),
+        "steps": end.step, "resumed_from": resumed_from, "trainable_parameters": tree_size(state.params),
+        "train_examples": len(examples.train_idx), "eval_examples": len(examples.eval_idx),
+        "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "features": cfg.features,
+        "seconds": round(time.perf_counter() - t_start, 1),
+        "train_tokens_per_second": round(end.tokens_seen / elapsed, 1) if elapsed > 0 and end.tokens_seen else None,
         "first_eval": first_eval, "final_eval": final_eval,
         "bytes_per_token_cached": cache.bytes_per_token if cache is not None else None,
-        "eval_history": history,
+        "eval_history": run.history,
     }
-    (run / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
     if tracker is not None:
         tracker.log_summary({k: v for k, v in summary.items() if k != "eval_history"})
-    if status == "interrupted":
+    if end.status == "interrupted":
         raise KeyboardInterrupt
     return summary

@@ -1,17 +1,20 @@
 """The training side of a drafter: the `TrainTask` protocol, its registry, and the losses/metrics all share.
 
-A trainable drafter (drafters/eagle3.py, drafters/medusa.py, drafters/distilled_lm.py) registers a task factory
+A trainable drafter (drafters/eagle3.py, drafters/medusa.py, drafters/distilled_lm.py, drafters/dflash.py,
+drafters/dspark.py) registers a task factory
 
     @register_task("eagle3")
     def make_task(target, **options) -> TrainTask
 
-The loop (`specdec.train.loop.train`) calls, with B examples of T tokens per batch:
+The loop (`specdec.train.loop.train`) calls, with B examples of T tokens per batch (the `TrainTask` protocol):
     params, buffers = task.init(key, token_counts)     trainable pytree; saved non-trainable arrays (d2t maps)
     frozen = task.frozen(target)                        arrays taken from the target (embedding, lm_head, ...)
     loss, metrics = task.loss(params, consts, batch, feats, key)   consts = {**frozen, **buffers}
     loss, ev = task.evaluate(params, consts, batch, feats, k)      the loss and, per slot and draft step, the
                                                          teacher-forced acceptance (DraftEval), in one pass
     task.config()                                        JSON: everything needed to rebuild the drafter
+and two optional hooks, whose defaults a task inherits by subclassing `TrainTask`: `training_keys` (config keys
+a continued run may change) and `calibrate` (buffers fitted on held-out data after training).
 `batch` = {"tokens" int32 [B, T], "loss_mask" int8 [B, T] (1 on response tokens), "lengths" int32 [B]};
 `feats` = TargetFeatures(taps [n_taps, B, T, H] in `task.taps` order, logits [B, T, V] or None).
 
@@ -25,7 +28,7 @@ argmax equals the target's. The teacher-forced expected tau of a slot is 1 + sum
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +67,45 @@ def make_task(name: str, target, options: dict | None = None):
 class DraftEval(NamedTuple):
     alpha: jax.Array  # float32 [B, T, K] acceptance probability of step k from root slot j (temperature 1)
     match: jax.Array  # bool [B, T, K] draft argmax == target argmax
+
+
+class TrainTask(Protocol):
+    """The training side of a drafter, as the loop uses it (the module docstring gives the shapes).
+
+    The task objects are hashable (frozen dataclasses): they are part of the compiled steps' static key."""
+
+    name: str  # the drafter name (`drafters.register`), written to drafter.json
+    taps: tuple[int, ...]  # target layers whose residual stream `feats.taps` holds, in this order
+    needs_target_logits: bool  # `loss` reads feats.logits (evaluation always gets them)
+    max_eval_steps: int | None  # draft steps `evaluate` can score at most (None: any number)
+
+    def config(self) -> dict:
+        """JSON: everything needed to rebuild the drafter (drafter.json)."""
+        ...
+
+    def init(self, key: jax.Array, token_counts) -> tuple[Any, dict]:
+        """(trainable params, buffers) of a fresh drafter; token_counts [V]: response-token frequencies."""
+        ...
+
+    def frozen(self, target) -> dict:
+        """Arrays taken from the target, not trained (embedding, lm_head, ...)."""
+        ...
+
+    def loss(self, params, consts: dict, batch: dict, feats, key: jax.Array) -> tuple[jax.Array, dict]:
+        """(scalar loss, metrics to average) of one batch; consts = {**frozen, **buffers}."""
+        ...
+
+    def evaluate(self, params, consts: dict, batch: dict, feats, num_steps: int) -> tuple[jax.Array, DraftEval]:
+        """The loss and the teacher-forced acceptance of `num_steps` draft steps from every root slot."""
+        ...
+
+    # -- optional hooks: the defaults below are what a task that subclasses TrainTask and defines none gets --
+    training_keys: tuple[str, ...] = ()  # config keys that shape training only: `train.init_from` may change them
+
+    def calibrate(self, params, consts: dict, batches_and_feats: Iterable[tuple[dict, Any]]) -> dict | None:
+        """Buffers fitted after training on the held-out (batch, feats) pairs (DSpark: its confidence
+        temperatures), merged into the saved ones; None: nothing to fit (the pairs are then never computed)."""
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------
