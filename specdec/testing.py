@@ -8,6 +8,7 @@
   rows through `speculative_generate`), `assert_lossless` / `assert_biased` (chi-square and total variation
   against the exact law, and the negative controls' check).
 - A drafter's tokens against the q it returns: `draft_fit`, `assert_draft_matches_its_q`.
+- An exported drafter with one field or tensor edited (the import-refusal tests): `edited_export`.
 """
 
 from __future__ import annotations
@@ -195,3 +196,22 @@ def prefill_for_drafter(target, drafter, rows, width: int = 16, capacity: int = 
     state = jax.jit(drafter.init, static_argnums=2)(drafter.params, PromptInfo(jnp.asarray(tokens), lengths, mine,
                                                                                jnp.asarray(root)), state_capacity)
     return tokens, lengths, root, state, taps
+
+
+def edited_export(src, dst, edit_config=None, edit_tensors=None):
+    """A copy of the export directory `src` (config.json + model.safetensors) at `dst`, with `edit_config(config
+    dict)` and `edit_tensors(name -> array dict)` applied in place first. Returns `dst`."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    if edit_config:
+        edit_config(config)
+    if edit_tensors:
+        edit_tensors(tensors)
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst

@@ -13,7 +13,6 @@ weights on a 4-layer tiny target: a target needs >= 4 layers to have three captu
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -28,7 +27,7 @@ from specdec.export import eagle3 as E
 from specdec.generate import generate
 from specdec.models.config import tiny_config
 from specdec.target import random_target
-from specdec.testing import peaky_target, prefill_for_drafter
+from specdec.testing import edited_export, peaky_target, prefill_for_drafter
 from specdec.train import checkpoint as ckpt
 from tests.peer_eagle3 import PeerEagle3
 from tests.test_eagle3 import context, engine_round, noisy
@@ -249,39 +248,31 @@ def test_generate_command_takes_a_drafter_directory(exports, target, monkeypatch
     assert seen["drafter"].num_draft_tokens == 3 and "Hi" in capsys.readouterr().out
 
 
-def edited_copy(src, dst, edit_config=None, edit_tensors=None):
-    from safetensors.numpy import load_file, save_file
-
-    dst.mkdir()
-    config = json.loads((src / "config.json").read_text())
-    tensors = load_file(str(src / "model.safetensors"))
-    if edit_config:
-        edit_config(config)
-    if edit_tensors:
-        edit_tensors(tensors)
-    (dst / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(dst / "model.safetensors"))
-    return dst
+# Exports specdec must refuse to import: (case, edit of config.json, edit of the tensors, error, message).
+IMPORT_REFUSALS = [
+    ("norm_before_residual", lambda c: c.pop("norm_before_residual"), None,  # vLLM's default is True
+     NotRepresentable, "norm_before_residual"),
+    ("qwen3_layer", lambda c: c["transformer_layer_config"].update(model_type="qwen3"), None,
+     NotRepresentable, "model_type 'qwen3'"),
+    ("d2t_out_of_range", None, lambda t: t.update(d2t=t["d2t"] + 300), ValueError, "d2t offsets map to ids outside"),
+    ("own_embed_tokens", None, lambda t: t.update({"embed_tokens.weight": np.ones((256, 64), np.float32)}),
+     ckpt.CheckpointError, "own embed_tokens, which differ"),
+]
 
 
-def test_imports_refuse_what_specdec_cannot_run(tmp_path, exports, target):
-    src = exports["vllm"]
-    nbr = edited_copy(src, tmp_path / "nbr", lambda c: c.pop("norm_before_residual"))  # vLLM's default: True
-    with pytest.raises(NotRepresentable, match="norm_before_residual"):
-        load_export(nbr)
-    qwen = edited_copy(src, tmp_path / "qwen", lambda c: c["transformer_layer_config"].update(model_type="qwen3"))
-    with pytest.raises(NotRepresentable, match="model_type 'qwen3'"):
-        load_export(qwen)
-    bad_map = edited_copy(src, tmp_path / "map", edit_tensors=lambda t: t.update(d2t=t["d2t"] + 300))
-    with pytest.raises(ValueError, match="d2t offsets map to ids outside"):
-        load_export(bad_map)
-    own_embed = edited_copy(src, tmp_path / "embed", edit_tensors=lambda t: t.update(
-        {"embed_tokens.weight": np.ones((256, 64), np.float32)}))
-    with pytest.raises(ckpt.CheckpointError, match="own embed_tokens, which differ"):
-        create_drafter(None, target, K, path=str(own_embed))
+@pytest.mark.parametrize("case,edit_config,edit_tensors,error,message", IMPORT_REFUSALS,
+                         ids=[c[0] for c in IMPORT_REFUSALS])
+def test_imports_refuse_what_specdec_cannot_run(tmp_path, exports, target, case, edit_config, edit_tensors, error,
+                                                message):
+    edited = edited_export(exports["vllm"], tmp_path / case, edit_config, edit_tensors)
+    with pytest.raises(error, match=message):
+        create_drafter(None, target, K, path=str(edited))
+
+
+def test_imports_refuse_another_target_or_no_export(tmp_path, exports, target):
     wide = random_target(tiny_config(num_layers=LAYERS, num_heads=8, num_kv_heads=2, head_dim=8), seed=0)
     with pytest.raises(ckpt.CheckpointError, match="num_heads=4"):
-        create_drafter(None, wide, K, path=str(src))
+        create_drafter(None, wide, K, path=str(exports["vllm"]))
     (tmp_path / "none").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="no drafter.json and no EAGLE-3 / DFlash / DSpark config.json"):
         create_drafter(None, target, K, path=str(tmp_path / "none"))

@@ -23,12 +23,12 @@ from drafters import create_drafter, dflash, dspark
 from experiments import cli
 from specdec.drafter import RoundContext
 from specdec.engine import speculative_generate
-from specdec.export import NotRepresentable, export_run, load_export
+from specdec.export import NotRepresentable, export_run
 from specdec.generate import generate
 from specdec.models.config import tiny_config
 from specdec.sampling import SamplingParams
 from specdec.target import random_target
-from specdec.testing import prefill_for_drafter
+from specdec.testing import edited_export, prefill_for_drafter
 from specdec.train import checkpoint as ckpt
 from tests.peer_block import PeerBlockDrafter
 
@@ -195,33 +195,26 @@ def test_what_the_peers_cannot_run_is_refused_with_the_option_to_train(tmp_path,
         export_run(reduced, tmp_path / "out", "vllm", target, num_draft_tokens=G)
 
 
-def test_imports_refuse_what_specdec_cannot_run(tmp_path, exports, target):
-    from safetensors.numpy import load_file, save_file
+# DFlash exports specdec must refuse: (case, edit of config.json, edit of the tensors, drafter name, error, message).
+IMPORT_REFUSALS = [
+    ("sample_from_anchor", lambda c: c.update(sample_from_anchor=True), None, None,
+     NotRepresentable, "sample_from_anchor is true"),
+    ("sliding_window", lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention"] * 2), None,
+     None, NotRepresentable, "causal or sliding-window"),
+    ("missing_tensor", None, lambda t: t.pop("layers.0.self_attn.q_norm.weight"), None, ValueError, "lacks tensors"),
+    ("own_lm_head", None, lambda t: t.update({"lm_head.weight": t["lm_head.weight"] + 1.0}), None,
+     ckpt.CheckpointError, "own lm_head, which differs from the target's"),
+    ("other_kind", None, None, "dspark", ckpt.CheckpointError, "holds a 'dflash' drafter, not 'dspark'"),
+]
 
-    src = exports["dflash", "vllm"][1]
 
-    def edited(name, edit_config=None, edit_tensors=None):
-        dst = tmp_path / name
-        dst.mkdir()
-        config, tensors = json.loads((src / "config.json").read_text()), load_file(str(src / "model.safetensors"))
-        edit_config and edit_config(config)
-        edit_tensors and edit_tensors(tensors)
-        (dst / "config.json").write_text(json.dumps(config))
-        save_file(tensors, str(dst / "model.safetensors"))
-        return dst
-
-    with pytest.raises(NotRepresentable, match="sample_from_anchor is true"):
-        load_export(edited("anchor", lambda c: c.update(sample_from_anchor=True)))
-    with pytest.raises(NotRepresentable, match="causal or sliding-window"):
-        load_export(edited("swa", lambda c: c["transformer_layer_config"].update(
-            layer_types=["sliding_attention"] * 2)))
-    with pytest.raises(ValueError, match="lacks tensors"):
-        load_export(edited("missing", edit_tensors=lambda t: t.pop("layers.0.self_attn.q_norm.weight")))
-    other_head = edited("head", edit_tensors=lambda t: t.update({"lm_head.weight": t["lm_head.weight"] + 1.0}))
-    with pytest.raises(ckpt.CheckpointError, match="own lm_head, which differs from the target's"):
-        create_drafter(None, target, G - 1, path=str(other_head))
-    with pytest.raises(ckpt.CheckpointError, match="holds a 'dflash' drafter, not 'dspark'"):
-        create_drafter("dspark", target, G - 1, path=str(src))
+@pytest.mark.parametrize("case,edit_config,edit_tensors,name,error,message", IMPORT_REFUSALS,
+                         ids=[c[0] for c in IMPORT_REFUSALS])
+def test_imports_refuse_what_specdec_cannot_run(tmp_path, exports, target, case, edit_config, edit_tensors, name,
+                                                error, message):
+    edited = edited_export(exports["dflash", "vllm"][1], tmp_path / case, edit_config, edit_tensors)
+    with pytest.raises(error, match=message):
+        create_drafter(name, target, G - 1, path=str(edited))
 
 
 def test_export_command_warns_what_the_format_drops(tmp_path, exports, target, monkeypatch, capsys):

@@ -238,12 +238,6 @@ def test_generate_batch_equals_single_and_stops_at_eos():
     assert sampled.tokens == again.tokens
 
 
-def test_prompt_longer_than_context_is_refused():
-    target = random_target(tiny_config(max_position_embeddings=32), seed=0)
-    with pytest.raises(ContextLengthError, match="context is 32"):
-        generate(target, [list(range(3, 30))], max_new_tokens=8)
-
-
 def test_bad_model_config_is_refused():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         tiny_config(num_heads=4, num_kv_heads=3)
