@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec.generate import ContextLengthError, generate
+from specdec.generate import generate
 from specdec.models import transformer
 from specdec.models.config import tiny_config
 from specdec.sampling import SamplingParams
