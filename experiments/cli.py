@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.set_defaults(func=cmd_data)
 
-    t = sub.add_parser("train", help="train a drafter (eagle3, medusa, distilled_lm) on distillation data",
+    t = sub.add_parser("train", help="train a drafter (eagle3, dflash, dspark, medusa, distilled_lm) on distillation data",
                        description="Train drafter.name on train.data_dir with train.* settings; checkpoints, "
                                    "metrics and the exported drafter go to <output.dir>/<output.name>/. Rerunning "
                                    "resumes exactly from the latest checkpoint. Use the result with "
