@@ -559,6 +559,33 @@ def test_multi_turn_run_asks_turn_two_after_the_targets_own_answer(tmp_path):
         assert ar[qid]["choices"][0]["turns"][0].strip() == answer1  # the run's own greedy turn-1 answer
 
 
+def test_resumed_multi_turn_run_reuses_its_own_answers(tmp_path):
+    """An interrupted multi-turn run resumes with the earlier-turn answers of own_answers.json, never new ones: the
+    conversations of its later turns stay the ones it started with (here marked, to see which were used)."""
+    from experiments.build import ByteCodec
+
+    mt = mt_bench_file(tmp_path)
+    cfg = tiny_cfg(tmp_path, "mt2", f"data.datasets=[{{name: {mt}, turns: 2, limit: 2}}]", "generation.batch_size=1")
+    with pytest.raises(RunInterrupted):
+        run_experiment(cfg, progress=False, echo=quiet, max_batches=1)
+    store = tmp_path / "mt2" / "own_answers.json"
+    first = {r["question_id"] for r in read_jsonl(tmp_path / "mt2" / "answers" / "autoregressive.jsonl")}
+    marked = {c: f"A KEPT ANSWER ({json.loads(c)[0]['content']})" for c in json.loads(store.read_text())}
+    store.write_text(json.dumps(marked))
+    said = []
+    summary = run_experiment(cfg, progress=False, echo=said.append)
+    assert summary["prompts"] == 4 and not [m for m in said if "answering" in m]  # nothing answered again
+    assert json.loads(store.read_text()) == marked
+    codec = ByteCodec()
+    ar = {r["question_id"]: r for r in read_jsonl(tmp_path / "mt2" / "answers" / "autoregressive.jsonl")}
+    resumed_turn2 = [q for q in (81, 82) if f"{q}/turn2" not in first]
+    assert resumed_turn2, "the interruption should leave a second turn to decode"
+    for qid in resumed_turn2:
+        user1 = f"Write a poem. ({qid})"
+        turn2 = codec.encode(f"{user1}\n\nA KEPT ANSWER ({user1})\n\nShorter. ({qid})")
+        assert ar[f"{qid}/turn2"]["prompt_tokens"] == len(turn2)
+
+
 def test_hub_name_offline_gives_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DatasetError) as e:
