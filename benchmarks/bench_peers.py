@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (DEFAULT_POLICY, DrafterSpec, command_line, hf_model, run_ar, run_hf_prompt_lookup,
+from benchmarks.common import (DrafterSpec, command_line, hf_model, run_ar, run_hf_prompt_lookup,
                                run_spec, write_json)
 from drafters import create_drafter
 from specdec.models import registry
@@ -154,8 +154,7 @@ def main(argv=None) -> int:
     for text in args.drafters:
         spec = DrafterSpec.parse(text)
         drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
-        policy = spec.policy or DEFAULT_POLICY[drafter.kind]
-        tokens, m = run_spec(target, drafter, policy, groups, args.max_new_tokens, spec.buckets, spec.make_scheduler())
+        tokens, m = run_spec(target, drafter, spec.policy_for(drafter), groups, args.max_new_tokens, spec.buckets, spec.make_scheduler())
         add(f"specdec {spec.label}", tokens, m.new_tokens, m.decode_seconds + m.prefill_seconds, ar_tokens)
     if not args.skip_transformers:
         out, r = run_hf_plain(str(gguf_path), prompts, args.max_new_tokens, eos)

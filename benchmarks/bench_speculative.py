@@ -15,8 +15,9 @@ back to back; reversed on odd passes), because this VM's speed drifts by up to ~
 `--repeats R` the prompts are decoded R times and the speedup is the median of the passes' speedups (all passes
 are kept in the JSON as `speedup_by_pass`).
 Every call runs with `warmup=True` (the same compiled programs first run for 2 tokens, untimed), so timings
-exclude compilation. The suffix drafter's global corpus is cleared before each (subset, batch): within it,
-it holds the outputs of the earlier prompts (batch 1) / earlier-finished rows (batch 8) of that run only.
+exclude compilation. The suffix drafter's global corpus is cleared at the start of each pass of each (subset,
+batch): within it, it holds the outputs of the earlier prompts (batch 1) / earlier-finished rows (batch 8) of
+that pass only.
 
 Loop overhead (--overhead): for the compiled while_loop (n-gram drafter, one prompt repeated B times so
 every row runs the same number of rounds), decode time per round against the bare jitted verify step
@@ -44,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import (DEFAULT_DATA, DEFAULT_POLICY, SUBSETS, DrafterSpec, command_line, groups_of,
+from benchmarks.common import (DEFAULT_DATA, SUBSETS, DrafterSpec, command_line, groups_of,
                                load_prompts, run_ar, run_hf_prompt_lookup, run_spec, write_json)
 from drafters import create_drafter
 from specdec import trees
@@ -84,7 +85,7 @@ def loop_overhead(target: Target, prompt: list[int], batch: int, spec: DrafterSp
     drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
     if not drafter.jittable:
         raise ValueError("the loop-overhead measurement needs a jittable (compiled-loop) drafter")
-    policy = spec.policy or DEFAULT_POLICY[drafter.kind]
+    policy = spec.policy_for(drafter)
     prompts = [prompt] * batch
     n = drafter.num_draft_tokens
     step = make_verify_step(target, n)
@@ -172,7 +173,7 @@ def main(argv=None) -> dict:
             for spec in specs:
                 tokens, m = merged(passes, spec)
                 by_pass = [speedup(p["AR"][1], p[spec][1]) for p in passes]
-                rows.append({**base, "method": spec.label, "policy": spec.policy or DEFAULT_POLICY[drafters[spec].kind],
+                rows.append({**base, "method": spec.label, "policy": spec.policy_for(drafters[spec]),
                              **_row(m, ar, tokens, ar_tokens), "speedup": float(np.median(by_pass)),
                              "speedup_by_pass": by_pass})
                 print(_line(rows[-1]), flush=True)
@@ -220,18 +221,14 @@ def interleaved_passes(target: Target, specs, drafters, groups, max_new: int, re
     methods = ["AR", *specs]
     passes = []
     for r in range(repeats):
-        for spec in specs:
-            if hasattr(drafters[spec], "clear_global"):
-                drafters[spec].clear_global()
         got = {m: ([], []) for m in methods}
-        for group in groups:
+        for g, group in enumerate(groups):
             for m in (methods if r % 2 == 0 else methods[::-1]):
                 if m == "AR":
                     tokens, metrics = run_ar(target, [group], max_new)
                 else:
-                    d = drafters[m]
-                    tokens, metrics = run_spec(target, d, m.policy or DEFAULT_POLICY[d.kind], [group], max_new,
-                                               m.buckets, m.make_scheduler(), clear=False)
+                    tokens, metrics = run_spec(target, drafters[m], m.policy_for(drafters[m]), [group], max_new,
+                                               m.buckets, m.make_scheduler(), clear=g == 0)
                 got[m][0].extend(tokens)
                 got[m][1].append(metrics)
         passes.append({m: (tokens, merge(ms)) for m, (tokens, ms) in got.items()})
@@ -239,7 +236,7 @@ def interleaved_passes(target: Target, specs, drafters, groups, max_new: int, re
 
 
 def merged(passes: list[dict], method) -> tuple[list[list[int]], DecodeMetrics]:
-    """The first pass's tokens (every pass decodes the same greedy tokens) and the metrics summed over passes."""
+    """The first pass's tokens (what `lossless` compares with AR) and the metrics summed over passes."""
     return passes[0][method][0], merge([p[method][1] for p in passes])
 
 

@@ -110,6 +110,10 @@ class DrafterSpec:
         return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())), buckets,
                    None if scheduler == "fixed" else scheduler, None if explore is None else int(explore))
 
+    def policy_for(self, drafter) -> str:
+        """The verification policy this spec names, or the greedy one for the drafter's kind (chain / tree)."""
+        return self.policy or DEFAULT_POLICY[drafter.kind]
+
     def make_scheduler(self):
         if not self.scheduler:
             return None
