@@ -251,13 +251,15 @@ def _row(m, ar, tokens, ar_tokens) -> dict:
             "decode_s": m.decode_seconds, "prefill_s": m.prefill_seconds, "draft_s": m.draft_seconds,
             "verify_s": m.verify_seconds, "acceptance_survival": m.acceptance_by_position()["survival"],
             "predicted_tok_s": m.predicted_tokens_per_second if m.predicted_seconds else None,
-            "width_rounds": m.width_rounds or None}
+            "width_rounds": m.width_rounds or None, "expected_accepted": m.expected_accepted,
+            "realised_accepted": m.realised_accepted}
 
 
 def _line(r: dict) -> str:
     return (f"{r['subset']:9s} B={r['batch']} {r['method']:38s} tau {r['tau']:.2f}  {r['tok_s']:6.1f} tok/s "
             f"({r['tok_s_e2e']:.1f} incl. prefill)  x{r['speedup']:.2f}  same as AR {r['lossless']}"
-            + (f"  predicted {r['predicted_tok_s']:.1f} tok/s, rounds by width {r['width_rounds']}"
+            + (f"  predicted {r['predicted_tok_s']:.1f} tok/s, rounds by width {r['width_rounds']}, accepted "
+               f"drafts expected / realised {r['expected_accepted']:.0f} / {r['realised_accepted']:.0f}"
                if r.get("predicted_tok_s") else ""))
 
 

@@ -87,13 +87,17 @@ class DrafterSpec:
     params: tuple[tuple[str, object], ...]
     buckets: object = None  # the engine's verify_buckets ("auto" or node counts joined by '/'); None = off
     scheduler: str | None = None  # "adaptive": the adaptive verify width (specdec/adaptive.py); None = fixed
-    explore_every: int | None = None  # the adaptive width's explore_every (None: its default)
+    # the adaptive width's options (fields of AdaptiveWidth, e.g. explore_every, margin, calibration_weight)
+    scheduler_options: tuple[tuple[str, object], ...] = ()
+
+    SCHEDULER_ALIASES = {"explore": "explore_every"}
 
     @classmethod
     def parse(cls, text: str) -> "DrafterSpec":
         """`name[:key=value,...]`; k = num_draft_tokens (default 5), policy = verification policy, buckets =
-        verify widths (`auto`, or node counts like 0/1/3), scheduler = `adaptive` or `fixed`, explore = the
-        adaptive width's `explore_every` (e.g. `scheduler=adaptive,explore=8`)."""
+        verify widths (`auto`, or node counts like 0/1/3), scheduler = `adaptive` or `fixed`; with
+        scheduler=adaptive, any AdaptiveWidth field sets that option (`explore` = explore_every), e.g.
+        `scheduler=adaptive,explore=8,calibration_weight=0`. Every other key is a drafter parameter."""
         name, _, rest = text.partition(":")
         opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
         k = int(opts.pop("k", 5))
@@ -104,20 +108,20 @@ class DrafterSpec:
         scheduler = opts.pop("scheduler", None)
         if scheduler not in (None, "fixed", "adaptive"):
             raise ValueError(f"{text}: scheduler must be 'adaptive' or 'fixed', got {scheduler!r}")
-        explore = opts.pop("explore", None)
-        if explore is not None and scheduler != "adaptive":
-            raise ValueError(f"{text}: explore= is an option of scheduler=adaptive")
+        fields = {f.name for f in dataclasses.fields(AdaptiveWidth)} - {"costs", "cost_path"}
+        sched_opts = {cls.SCHEDULER_ALIASES.get(key, key): _value(opts.pop(key))
+                      for key in list(opts) if cls.SCHEDULER_ALIASES.get(key, key) in fields}
+        if sched_opts and scheduler != "adaptive":
+            raise ValueError(f"{text}: {', '.join(sorted(sched_opts))} are options of scheduler=adaptive")
         return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())), buckets,
-                   None if scheduler == "fixed" else scheduler, None if explore is None else int(explore))
+                   None if scheduler == "fixed" else scheduler, tuple(sorted(sched_opts.items())))
 
     def policy_for(self, drafter) -> str:
         """The verification policy this spec names, or the greedy one for the drafter's kind (chain / tree)."""
         return self.policy or DEFAULT_POLICY[drafter.kind]
 
     def make_scheduler(self):
-        if not self.scheduler:
-            return None
-        return AdaptiveWidth() if self.explore_every is None else AdaptiveWidth(explore_every=self.explore_every)
+        return AdaptiveWidth(**dict(self.scheduler_options)) if self.scheduler else None
 
     @property
     def label(self) -> str:
@@ -126,8 +130,7 @@ class DrafterSpec:
             extra += f",buckets={self.buckets if isinstance(self.buckets, str) else '/'.join(map(str, self.buckets))}"
         if self.scheduler:
             extra += f",{self.scheduler}"
-        if self.explore_every is not None:
-            extra += f",explore={self.explore_every}"
+        extra += "".join(f",{k}={v}" for k, v in self.scheduler_options)
         return f"{self.name}(k={self.k}{extra})"
 
 

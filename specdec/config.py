@@ -161,6 +161,8 @@ class SchedulerConfig:
     explore_every: int = 8  # "adaptive": verify after this many rounds in a row that verified nothing
     explore_max: int = 64  # "adaptive": that gap doubles after each verified round that accepted nothing, to this
     margin: float = 0.05  # "adaptive": verify only when the expected tokens/s beat a plain step's by this factor
+    calibration_weight: float = 4.0  # "adaptive": pseudo-tokens of the realised/expected acceptance ratio; 0: off
+    calibration_decay: float = 0.95  # "adaptive": that ratio's decay per verified round
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
     reprofile: bool = False  # "adaptive": measure the round costs again even if cached
 
@@ -170,6 +172,9 @@ class SchedulerConfig:
         _require(0 < self.prior <= 1, "prior", f"must be in (0, 1], got {self.prior!r}")
         _at_least(self, 1, "explore_every")
         _require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin!r}")
+        _require(self.calibration_weight >= 0, "calibration_weight", f"must be >= 0, got {self.calibration_weight!r}")
+        _require(0 <= self.calibration_decay < 1, "calibration_decay",
+                 f"must be in [0, 1), got {self.calibration_decay!r}")
         _require(self.explore_max >= self.explore_every, "explore_max",
                  f"must be >= explore_every ({self.explore_every}), got {self.explore_max!r}")
 

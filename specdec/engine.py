@@ -563,5 +563,7 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
         metrics.width_rounds = to_host(state.sched.width_rounds).tolist()
         metrics.skipped_drafts = int(to_host(state.sched.skipped_drafts))
         metrics.predicted_seconds = float(to_host(state.sched.predicted_seconds))
+        metrics.expected_accepted = float(to_host(state.sched.expected_accepted))
+        metrics.realised_accepted = float(to_host(state.sched.realised_accepted))
     accept_lengths = [committed[i, : rounds[i]].tolist() for i in range(len(tokens))]
     return SpecOutput(tokens=rows, metrics=metrics, accept_lengths=accept_lengths)

@@ -35,6 +35,9 @@ class DecodeMetrics:
     width_rounds: list[int] = dataclasses.field(default_factory=list)
     skipped_drafts: int = 0
     predicted_seconds: float | None = None
+    # its acceptance model's check over the verified rounds: accepted drafts expected (uncalibrated) / realised
+    expected_accepted: float | None = None
+    realised_accepted: float | None = None
 
     @property
     def tau(self) -> float:
@@ -100,7 +103,8 @@ class DecodeMetrics:
         if self.width_rounds:
             out.update(verify_widths=self.verify_widths, width_rounds=self.width_rounds,
                        skipped_drafts=self.skipped_drafts, predicted_seconds=self.predicted_seconds,
-                       predicted_tokens_per_second=self.predicted_tokens_per_second)
+                       predicted_tokens_per_second=self.predicted_tokens_per_second,
+                       expected_accepted=self.expected_accepted, realised_accepted=self.realised_accepted)
         out.update({f"acceptance_{k}": v for k, v in self.acceptance_by_position().items()})
         return out
 
@@ -146,4 +150,6 @@ def _merge_widths(metrics: list[DecodeMetrics]) -> dict:
     return {"verify_widths": list(metrics[0].verify_widths),
             "width_rounds": np.sum([m.width_rounds for m in metrics], axis=0).astype(int).tolist(),
             "skipped_drafts": sum(m.skipped_drafts for m in metrics),
-            "predicted_seconds": float(sum(m.predicted_seconds for m in metrics))}
+            "predicted_seconds": float(sum(m.predicted_seconds for m in metrics)),
+            "expected_accepted": float(sum(m.expected_accepted or 0.0 for m in metrics)),
+            "realised_accepted": float(sum(m.realised_accepted or 0.0 for m in metrics))}

@@ -90,6 +90,48 @@ def test_observe_counts_reached_and_accepted_positions():
         assert np.array_equal(getattr(same, name), getattr(st, name)), name
 
 
+def test_calibration_scales_expected_gains_by_realised_over_expected():
+    """Each verified round records what the per-row estimates expected of it (uncalibrated) and what it realised;
+    their decayed ratio scales every expected gain, so estimates that keep over-promising stop buying widths."""
+    sched = AdaptiveWidth(calibration_weight=2.0, calibration_decay=0.5)
+    widths = (0, 1, 3)
+    active = jnp.asarray([True, True])
+    # both rows accepted 9 of their last 10 drafts at every position: raw estimates favour verifying
+    st = state_with(sched, [[9, 9, 9]] * 2, [[10, 10, 10]] * 2, [[10, 10, 10]] * 2, [[10], [10]],
+                    ((1.0, 1.5, 1.9), 0.1))
+    assert float(sched.calibration(st)) == 1.0
+    assert int(sched.plan(st, widths, active, tree=False)) == 2
+    draft = Draft.chain(jnp.ones((2, 3), jnp.int32))
+    _, st = sched.refine(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
+    # conditional rates: position 1 from the prior 1, deeper ones from the position before (9 of 10 each)
+    r1 = (9 + 1) / (10 + 1)
+    r2 = (9 + r1) / (10 + 1)
+    r3 = (9 + r2) / (10 + 1)
+    expected = 2 * (r1 + r1 * r2 + r1 * r2 * r3)  # two rows, three positions, survival products
+    np.testing.assert_allclose(float(st.round_expected), expected, rtol=1e-6)
+    # the round realises nothing: both rows reject position 1
+    st = sched.observe(st, draft.valid, jnp.asarray([0, 0]), active)
+    np.testing.assert_allclose([float(st.expected_accepted), float(st.realised_accepted)], [expected, 0.0],
+                               rtol=1e-6)
+    np.testing.assert_allclose(float(sched.calibration(st)), 2.0 / (expected + 2.0), rtol=1e-6)
+    # a second such round, verified at the planned width (a sampled draft: refine does not look): the sums
+    # decay by 0.5 before adding (the row counts moved too)
+    _, st = sched.refine(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=False, tree=False)
+    second = float(st.round_expected)
+    st = sched.observe(st, draft.valid, jnp.asarray([0, 0]), active)
+    np.testing.assert_allclose(float(sched.calibration(st)), 2.0 / (0.5 * expected + second + 2.0), rtol=1e-6)
+    # with the row estimates put back to the optimistic ones, the calibrated plan no longer verifies
+    optimistic = dataclasses.replace(st, hits=jnp.full((2, 3), 9.0), reached=jnp.full((2, 3), 10.0))
+    assert int(sched.plan(optimistic, widths, active, tree=False)) == 0
+    assert int(AdaptiveWidth(calibration_weight=0).plan(optimistic, widths, active, tree=False)) == 2
+    # a round that verified nothing leaves the calibration alone
+    _, quiet = sched.refine(optimistic, draft, jnp.asarray(0), jnp.asarray(False), widths, active, look=True,
+                            tree=False)
+    assert float(quiet.round_expected) == 0.0
+    quiet = sched.observe(quiet, jnp.zeros((2, 3), bool), jnp.asarray([0, 0]), active)
+    assert float(sched.calibration(quiet)) == float(sched.calibration(st))
+
+
 def test_exploration_verifies_after_a_run_of_quiet_rounds():
     """A hopeless history skips the draft, but after `explore_every` quiet rounds the plan and the refinement
     both must verify (the narrowest width > 0); a verifying round restarts the clock."""
@@ -219,13 +261,16 @@ def test_adaptive_sampled_output_matches_target_distribution():
     """Width chosen per round from the rows' history (rounds that skip and rounds that verify both occur): the
     joint law of 9 generated tokens (T=0.7, top-k, top-p) still equals the target's, for a sampled draft (not
     skippable: a width-0 round drafts and verifies nothing) and a deterministic one (skippable; its lengths
-    steer the width). The exact law and the checks are test_engine's."""
+    steer the width), with the calibration of the acceptance estimates on (self_spec). The exact law and the
+    checks are test_engine's."""
     target = distribution_target()
     costs = ((1.0, 1.3, 2.0), 0.2)  # widths (0, 1, 3) of a 3-node draft
-    for drafter in (create_drafter("self_spec", target, 3, num_layers=1),
-                    create_drafter("ngram", target, 3, max_ngram=1)):
-        counts, impossible, m = sampled_joint(target, drafter, "rejection_chain", num_samples=3000,
-                                              scheduler=AdaptiveWidth(costs=costs, explore_every=4))
+    # The n-gram drafter's first verified round (3,000 rows in one batch) accepts none of the drafts its prior
+    # expected, so the calibration (on for self_spec, as by default) would stop it verifying: off for it.
+    for drafter, calibration in ((create_drafter("self_spec", target, 3, num_layers=1), 4.0),
+                                 (create_drafter("ngram", target, 3, max_ngram=1), 0.0)):
+        sched = AdaptiveWidth(costs=costs, explore_every=4, calibration_weight=calibration)
+        counts, impossible, m = sampled_joint(target, drafter, "rejection_chain", num_samples=3000, scheduler=sched)
         assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (drafter.name, m.width_rounds)
         assert_lossless(counts, impossible, m, num_samples=3000)
 
