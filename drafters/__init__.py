@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 from typing import Callable
 
 _FACTORIES: dict[str, Callable] = {}
 AUTO = "auto"  # create_drafter("auto", ..., path=...): the kind comes from the trained drafter's directory
+# The trained drafter shipped with the repo (16-bit weights and a model card), for the default model
+# (SmolLM2-135M-Instruct): create_drafter(None, target, 7, path=SHIPPED_DRAFTER).
+SHIPPED_DRAFTER = Path(__file__).resolve().parent / "trained" / "dspark_smollm2_mix"
 # Modules that register drafters, imported on first use (so importing `drafters` stays cheap).
 _MODULES = ("drafters.ngram", "drafters.draft_lm", "drafters.suffix", "drafters.eagle3", "drafters.medusa",
             "drafters.distilled_lm", "drafters.dflash", "drafters.dspark")

@@ -37,6 +37,19 @@ def _encode(target, text: str, chat: bool) -> list[int]:
     return tok.encode_chat(text) if chat and tok.chat_template else tok.encode(text)
 
 
+def _shipped_drafter_fits(target) -> str | None:
+    """The shipped trained drafter's path if it was trained on `target` (same shapes), else None."""
+    from drafters import SHIPPED_DRAFTER
+    from specdec.train.checkpoint import check_target
+
+    try:
+        info = json.loads((SHIPPED_DRAFTER / "drafter.json").read_text())
+        check_target(info, target, str(SHIPPED_DRAFTER))
+    except (OSError, ValueError):  # missing, unreadable, or trained on another target (CheckpointError)
+        return None
+    return str(SHIPPED_DRAFTER)
+
+
 def cmd_quickstart(args) -> int:
     import drafters
     from experiments.compare import DrafterSpec, category_table, compare, table
@@ -56,6 +69,9 @@ def cmd_quickstart(args) -> int:
              DrafterSpec("self_spec", 4, {"num_layers": 24}, scheduler=adaptive)]
     if "suffix" in drafters.available():
         specs.insert(2, DrafterSpec("suffix", 8, {}, policy="greedy_tree", scheduler=adaptive))
+    shipped = _shipped_drafter_fits(target)
+    if shipped:  # the trained drafter that ships with the repo, if it was trained on this target
+        specs.append(DrafterSpec("dspark", 7, {"path": shipped}, scheduler=adaptive, label="dspark(shipped)"))
     print(f"{len(prompts)} built-in prompts ({', '.join(sorted({c for c, _ in prompts}))}), batch 1, greedy, "
           f"{args.max_new_tokens} new tokens; AR baseline first, then each drafter (compile excluded; the adaptive "
           "width measures this machine's round costs once, cached)\n", flush=True)
