@@ -189,211 +189,299 @@ def _rms(x, w, eps):
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)
 
 
-def _build_kernel(cfg: ModelConfig, plan: Plan, dims: Dims, bug: str | None):
-    """Returns the kernel body for static (cfg, plan, dims). The body walks schedule.layer_events."""
-    L, H, HD, F = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    Q, KV, NH, KVH = cfg.q_size, cfg.kv_size, cfg.num_heads, cfg.num_kv_heads
-    G = NH // KVH  # query heads per KV head
-    B, T, Tp, N = dims.batch, dims.num_new, dims.rows_per_seq(cfg), dims.rows(cfg)
-    TK = plan.kv_tile
-    P, NB, K = plan.tiles_per_layer, plan.num_banks, plan.subtiles_per_tile
-    eps, scale = cfg.rms_norm_eps, 1.0 / math.sqrt(HD)
-    events = sch.layer_events(cfg, plan)
-    qkv_offset = {"wq": 0, "wk": Q, "wv": Q + KV}
-    vmem_names = _vmem_inputs(cfg)
-    n_out = 4 if dims.num_taps else 3
+def _online_softmax(state, scores, vals):
+    """One step of the online softmax: fold `scores` [rows, n] and `vals` [n, HD] into (max, sum, acc)."""
+    m, lsum, acc = state
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+    alpha, p = jnp.exp(m - m_new), jnp.exp(scores - m_new)
+    lsum = alpha * lsum + jnp.sum(p, axis=1, keepdims=True)
+    acc = alpha * acc + jnp.dot(p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+    return m_new, lsum, acc
 
-    def kernel(*refs):
-        # ---- name the refs (order: SMEM inputs, VMEM inputs, HBM inputs, outputs, scratch) ----
+
+def _start_all(copies):
+    for c in copies:
+        c.start()
+
+
+def _wait_all(copies):
+    for c in copies:
+        c.wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class _KernelRefs:
+    """The kernel's refs by name. pallas_call passes them positionally: SMEM inputs, VMEM inputs, the three HBM
+    inputs, the outputs, then the scratch buffers (in `megakernel_call`'s order)."""
+    smem: dict[str, Any]  # SMEM_INPUTS -> ref
+    vmem: dict[str, Any]  # _vmem_inputs(cfg) -> ref
+    w_hbm: Any  # packed weights [L, P_sub, H, subtile_cols]
+    x_ref: Any  # the residual stream [N, H] (an output, so it doubles as the accumulator)
+    taps_ref: Any  # [num_taps, N, H], or None without taps
+    k_hbm: Any  # the caches [L, B, KVH, S, HD]: the outputs, aliased to the cache inputs
+    v_hbm: Any
+    banks: Any  # scratch from here on
+    bank_sem: Any
+    h_scr: Any
+    qkv_scr: Any
+    qh_scr: Any
+    attn_scr: Any
+    g_scr: Any
+    u_scr: Any
+    kstage: Any
+    vstage: Any
+    kbuf: Any
+    vbuf: Any
+    kv_sem: Any
+    w_sem: Any
+
+    @classmethod
+    def from_refs(cls, cfg: ModelConfig, dims: Dims, refs) -> _KernelRefs:
+        vmem_names = _vmem_inputs(cfg)
         i = 0
-        s = dict(zip(SMEM_INPUTS, refs[i:i + len(SMEM_INPUTS)])); i += len(SMEM_INPUTS)
-        v = dict(zip(vmem_names, refs[i:i + len(vmem_names)])); i += len(vmem_names)
-        w_hbm = refs[i]; i += 3  # (the cache inputs are aliased to the cache outputs; use the outputs)
+        smem = dict(zip(SMEM_INPUTS, refs[i:i + len(SMEM_INPUTS)])); i += len(SMEM_INPUTS)
+        vmem = dict(zip(vmem_names, refs[i:i + len(vmem_names)])); i += len(vmem_names)
+        w_hbm = refs[i]; i += 3  # the cache inputs are aliased to the cache outputs: use the outputs
+        n_out = 4 if dims.num_taps else 3
         x_ref = refs[i]
         taps_ref = refs[i + 1] if dims.num_taps else None
         k_hbm, v_hbm = refs[i + n_out - 2], refs[i + n_out - 1]; i += n_out
-        (banks, bank_sem, h_scr, qkv_scr, qh_scr, attn_scr, g_scr, u_scr,
-         kstage, vstage, kbuf, vbuf, kv_sem, w_sem) = refs[i:]
+        return cls(smem, vmem, w_hbm, x_ref, taps_ref, k_hbm, v_hbm, *refs[i:])
 
-        # ---- DMA descriptors ----
-        def weight_copy(layer, tile):
-            """Tile `tile` (static) of layer `layer` -> its ring bank ((layer * P + tile) % NB)."""
-            bank = (layer * P + tile) % NB
-            return pltpu.make_async_copy(w_hbm.at[layer, pl.ds(tile * K, K)], banks.at[bank], bank_sem.at[bank])
 
-        def kv_copies(layer, b, j, slot):
-            """Cache positions [j*TK, (j+1)*TK) of row b, all KV heads ([KVH, TK, HD]) -> K/V tile slot `slot`."""
-            rows = pl.ds(pl.multiple_of(j * TK, TK), TK)
-            return (pltpu.make_async_copy(k_hbm.at[layer, b, :, rows], kbuf.at[slot], kv_sem.at[0, slot]),
-                    pltpu.make_async_copy(v_hbm.at[layer, b, :, rows], vbuf.at[slot], kv_sem.at[1, slot]))
+class _Kernel:
+    """The kernel body for static (cfg, plan, dims, bug) over one set of refs; `run` traces it. Each method is
+    one part of the body: DMA descriptors, the ops of schedule.layer_events, a matmul piece, one layer."""
 
-        def write_copies(layer, b, start):
-            """The T new K/V rows of row b (staging, VMEM) -> cache slots start .. start+T-1, all KV heads."""
-            src = pl.ds(pl.multiple_of(b * Tp, Tp), T)
-            dst = pl.ds(start, T)
-            return (pltpu.make_async_copy(kstage.at[:, src], k_hbm.at[layer, b, :, dst], w_sem.at[0]),
-                    pltpu.make_async_copy(vstage.at[:, src], v_hbm.at[layer, b, :, dst], w_sem.at[0]))
+    def __init__(self, cfg: ModelConfig, plan: Plan, dims: Dims, bug: str | None, refs: _KernelRefs):
+        self.cfg, self.plan, self.dims, self.bug, self.refs = cfg, plan, dims, bug, refs
+        self.L, self.HD = cfg.num_layers, cfg.head_dim
+        self.Q, self.KV, self.NH, self.KVH = cfg.q_size, cfg.kv_size, cfg.num_heads, cfg.num_kv_heads
+        self.G = self.NH // self.KVH  # query heads per KV head
+        self.B, self.T, self.Tp = dims.batch, dims.num_new, dims.rows_per_seq(cfg)
+        self.TK = plan.kv_tile
+        self.P, self.NB, self.K = plan.tiles_per_layer, plan.num_banks, plan.subtiles_per_tile
+        self.eps, self.scale = cfg.rms_norm_eps, 1.0 / math.sqrt(self.HD)
+        self.events = sch.layer_events(cfg, plan)
+        self.qkv_offset = {"wq": 0, "wk": self.Q, "wv": self.Q + self.KV}
 
-        def wait_writes(num_layers=1):
-            """Wait for `num_layers` layers' worth of cache writes (2 DMAs per row each)."""
-            def body(_, c):
-                wait(write_copies(0, 0, 0))
-                return c
-            lax.fori_loop(0, num_layers * B, body, 0)
+    # ---- DMA descriptors ----
 
-        def start(copies):
-            for c in copies:
-                c.start()
+    def weight_copy(self, layer, tile):
+        """Tile `tile` (static) of layer `layer` -> its ring bank ((layer * P + tile) % NB)."""
+        r = self.refs
+        bank = (layer * self.P + tile) % self.NB
+        return pltpu.make_async_copy(r.w_hbm.at[layer, pl.ds(tile * self.K, self.K)], r.banks.at[bank],
+                                     r.bank_sem.at[bank])
 
-        def wait(copies):
-            for c in copies:
-                c.wait()
+    def kv_copies(self, layer, b, j, slot):
+        """Cache positions [j*TK, (j+1)*TK) of row b, all KV heads ([KVH, TK, HD]) -> K/V tile slot `slot`."""
+        r, TK = self.refs, self.TK
+        rows = pl.ds(pl.multiple_of(j * TK, TK), TK)
+        return (pltpu.make_async_copy(r.k_hbm.at[layer, b, :, rows], r.kbuf.at[slot], r.kv_sem.at[0, slot]),
+                pltpu.make_async_copy(r.v_hbm.at[layer, b, :, rows], r.vbuf.at[slot], r.kv_sem.at[1, slot]))
 
-        # ---- ops ----
-        def norm_into_h(l, norm_ref):
-            h_scr[...] = _rms(x_ref[...], norm_ref[pl.ds(l, 1), :], eps)
+    def write_copies(self, layer, b, start):
+        """The T new K/V rows of row b (staging, VMEM) -> cache slots start .. start+T-1, all KV heads."""
+        r = self.refs
+        src = pl.ds(pl.multiple_of(b * self.Tp, self.Tp), self.T)
+        dst = pl.ds(start, self.T)
+        return (pltpu.make_async_copy(r.kstage.at[:, src], r.k_hbm.at[layer, b, :, dst], r.w_sem.at[0]),
+                pltpu.make_async_copy(r.vstage.at[:, src], r.v_hbm.at[layer, b, :, dst], r.w_sem.at[0]))
 
-        def attention(l):
-            qkv = qkv_scr[...]
-            if cfg.attention_bias:
-                qkv = qkv + v["qkv_bias"][pl.ds(l, 1), :].astype(jnp.float32)
-            cos, sin = v["cos"][...], v["sin"][...]
+    def wait_writes(self, num_layers=1):
+        """Wait for `num_layers` layers' worth of cache writes (2 DMAs per row each). Every write has the same
+        size and signals w_sem[0], so row 0's descriptors stand in for any row's."""
+        def body(_, c):
+            _wait_all(self.write_copies(0, 0, 0))
+            return c
+        lax.fori_loop(0, num_layers * self.B, body, 0)
 
-            def head(c, norm):  # one head's columns, (QK-normed,) RoPE'd: x*cos + swap_halves(x)*(-sin | sin)
-                x = qkv[:, c:c + HD]
-                if cfg.qk_norm:
-                    x = _rms(x, v[norm][pl.ds(l, 1), :], eps)
-                return x * cos + pltpu.roll(x, HD // 2, axis=1) * sin
+    # ---- the ops of schedule.layer_events ----
 
-            qh_scr[...] = jnp.stack([head(qh * HD, "q_norm") * scale for qh in range(NH)])  # [NH, N, HD]
-            if bug != "skip_cache_write_wait":  # layer l-1's cache writes still read the staging buffers
-                @pl.when(l > 0)
-                def _():
-                    wait_writes()
-            # [KVH, N, HD], head-major like the cache, so each row's write is one [KVH, T, HD] DMA
-            kstage[...] = jnp.stack([head(Q + h * HD, "k_norm") for h in range(KVH)]).astype(kstage.dtype)
-            vstage[...] = jnp.stack([qkv[:, Q + KV + h * HD:Q + KV + (h + 1) * HD]
-                                     for h in range(KVH)]).astype(vstage.dtype)
+    def op(self, name, l):
+        """The barrier op `name` (an "op" event) at layer l."""
+        if name in ("attn_norm", "mlp_norm"):
+            self.rms_into_h(l, self.refs.vmem[name])
+        elif name == "attention":
+            self.attention(l)
+        elif name == "act":
+            self.act()
+        elif name == "layer_end":
+            self.layer_end(l)
+        else:
+            raise ValueError(f"unknown op {name!r}")
 
-            def online(state, scores, vals):
-                m, lsum, acc = state
-                m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
-                alpha, p = jnp.exp(m - m_new), jnp.exp(scores - m_new)
-                lsum = alpha * lsum + jnp.sum(p, axis=1, keepdims=True)
-                acc = alpha * acc + jnp.dot(p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
-                return m_new, lsum, acc
+    def rms_into_h(self, l, norm_ref):
+        self.refs.h_scr[...] = _rms(self.refs.x_ref[...], norm_ref[pl.ds(l, 1), :], self.eps)
 
-            def row(b, carry):
-                nt, length, base, nxt = s["ntiles"][b], s["lengths"][b], s["tile_base"][b], s["next_row"][b]
-                rows = pl.ds(pl.multiple_of(b * Tp, Tp), Tp)
-                qs = qh_scr[:, rows, :]  # [NH, Tp, HD]
-                # the G query heads sharing KV head h, stacked along rows: [G*Tp, HD]
-                q = [qs[h * G:(h + 1) * G].reshape(G * Tp, HD) for h in range(KVH)]
+    def attention(self, l):
+        """RoPE'd q/k and v into VMEM, then per row: attention over the cache and the new tokens, cache write."""
+        self.stage_qkv(l)
 
-                def tile(j, states):
-                    slot = (base + j) % 2  # running KV-tile index in this layer, mod 2
-
-                    # prefetch the layer's next KV tile into the other slot, then wait for this one
-                    @pl.when(j + 1 < nt)
-                    def _():
-                        start(kv_copies(l, b, j + 1, 1 - slot))
-
-                    @pl.when((j + 1 == nt) & (nxt < B))
-                    def _():
-                        start(kv_copies(l, nxt, 0, 1 - slot))
-                    wait(kv_copies(l, b, j, slot))
-                    kt, vt = kbuf[slot], vbuf[slot]  # [KVH, TK, HD]
-                    pos = j * TK + lax.broadcasted_iota(jnp.int32, (1, TK), 1)
-                    out = []
-                    for h in range(KVH):
-                        scores = _mm_nt(q[h], kt[h])  # [G*Tp, TK]
-                        scores = jnp.where(pos < length, scores, NEG)  # only the committed prefix
-                        out.append(online(states[h], scores, vt[h]))
-                    return tuple(out)
-
-                init = (jnp.full((G * Tp, 1), NEG, jnp.float32), jnp.zeros((G * Tp, 1), jnp.float32),
-                        jnp.zeros((G * Tp, HD), jnp.float32))
-                states = lax.fori_loop(0, nt, tile, (init,) * KVH)
-                # the new tokens themselves, from VMEM, under the tree mask
-                bias = v["bias"][rows, :]
-                bias = jnp.concatenate([bias] * G, axis=0)
-                kn, vn = kstage[:, rows], vstage[:, rows]  # [KVH, Tp, HD]
-                for h in range(KVH):
-                    _, lsum, acc = online(states[h], _mm_nt(q[h], kn[h]) + bias, vn[h])
-                    out = acc / lsum
-                    for g in range(G):
-                        attn_scr[rows, pl.ds((h * G + g) * HD, HD)] = out[g * Tp:(g + 1) * Tp]
-                start(write_copies(l, b, s["write_start"][b]))  # new K/V rows -> cache (waited next layer)
-                return carry
-
-            # KV tile 0 of this layer was started at the top of the layer (see `layer`)
-            lax.fori_loop(0, B, row, 0)
-
-        def act(_):
-            g = g_scr[...]
-            g_scr[...] = g * jax.nn.sigmoid(g) * u_scr[...]
-
-        def layer_end(l):
-            if dims.num_taps:
-                slot = s["tap_slot"][l]
-
-                @pl.when(slot >= 0)
-                def _():
-                    taps_ref[slot] = x_ref[...]
-
-        ops = {"attn_norm": lambda l: norm_into_h(l, v["attn_norm"]),
-               "mlp_norm": lambda l: norm_into_h(l, v["mlp_norm"]),
-               "attention": attention, "act": act, "layer_end": layer_end}
-
-        def piece(ev, bank):
-            w = banks[bank, ev.sub, :, pl.ds(ev.col, ev.width)]  # [H, width]
-            a, b = ev.seg_col, ev.seg_col + ev.width
-            if ev.seg in sch.QKV_SEGMENTS:
-                o = qkv_offset[ev.seg]
-                qkv_scr[:, o + a:o + b] = _mm(h_scr[...], w)
-            elif ev.seg == "w_gate":
-                g_scr[:, a:b] = _mm(h_scr[...], w)
-            elif ev.seg == "w_up":
-                u_scr[:, a:b] = _mm(h_scr[...], w)
-            elif ev.seg == "wo":
-                x_ref[...] += _mm_nt(attn_scr[:, a:b], w)
-            else:  # w_down
-                x_ref[...] += _mm_nt(g_scr[:, a:b], w)
-
-        # ---- prologue ----
-        x_ref[...] = v["x0"][...]
-        for l2, s2 in sch.prologue_starts(cfg, plan):
-            weight_copy(l2, s2).start()
-
-        # ---- the layer loop: execute the static event list ----
-        def layer(l, carry):
-            @pl.when(s["first_row"][0] < B)  # KV tile 0 of this layer, overlapping the QKV matmuls
-            def _():
-                start(kv_copies(l, s["first_row"][0], 0, 0))
-
-            deferred = []  # (bug "read_before_wait") waits moved after the tile's compute
-            for ev in events:
-                if ev.kind == "op":
-                    ops[ev.name](l)
-                elif ev.kind == "wait":
-                    if bug == "read_before_wait":
-                        deferred.append(ev.tile)
-                    else:
-                        weight_copy(l, ev.tile).wait()
-                elif ev.kind == "piece":
-                    piece(ev, (l * P + ev.tile) % NB)
-                elif ev.kind == "start":
-                    while deferred:
-                        weight_copy(l, deferred.pop()).wait()
-
-                    @pl.when(l + ev.ahead_layers < L)
-                    def _(ev=ev):
-                        weight_copy(l + ev.ahead_layers, ev.ahead_tile).start()
+        def row(b, carry):
+            self.attend_row(l, b)
             return carry
 
-        lax.fori_loop(0, L, layer, 0)
-        # ---- epilogue: the last layer's cache writes (all of them if the per-layer waits were skipped) ----
-        wait_writes(L if bug == "skip_cache_write_wait" else 1)
+        # KV tile 0 of this layer was started at the top of the layer (see `run_layer`)
+        lax.fori_loop(0, self.B, row, 0)
+
+    def rope_head(self, l, qkv, col, cos, sin, norm):
+        """The head at columns [col, col+HD) of qkv, (QK-normed,) RoPE'd: x*cos + swap_halves(x)*(-sin | sin)."""
+        x = qkv[:, col:col + self.HD]
+        if self.cfg.qk_norm:
+            x = _rms(x, self.refs.vmem[norm][pl.ds(l, 1), :], self.eps)
+        return x * cos + pltpu.roll(x, self.HD // 2, axis=1) * sin
+
+    def stage_qkv(self, l):
+        """qkv (+ bias) -> q heads [NH, N, HD] (RoPE'd, scaled) and the new K/V rows [KVH, N, HD] in staging."""
+        r, cfg, HD, Q, KV = self.refs, self.cfg, self.HD, self.Q, self.KV
+        qkv = r.qkv_scr[...]
+        if cfg.attention_bias:
+            qkv = qkv + r.vmem["qkv_bias"][pl.ds(l, 1), :].astype(jnp.float32)
+        cos, sin = r.vmem["cos"][...], r.vmem["sin"][...]
+        r.qh_scr[...] = jnp.stack([self.rope_head(l, qkv, qh * HD, cos, sin, "q_norm") * self.scale
+                                   for qh in range(self.NH)])  # [NH, N, HD]
+        # layer l-1's cache writes still read the staging buffers: wait just before overwriting them, so the
+        # writes overlap the q heads' work
+        if self.bug != "skip_cache_write_wait":
+            @pl.when(l > 0)
+            def _():
+                self.wait_writes()
+        # [KVH, N, HD], head-major like the cache, so each row's write is one [KVH, T, HD] DMA
+        r.kstage[...] = jnp.stack([self.rope_head(l, qkv, Q + h * HD, cos, sin, "k_norm")
+                                   for h in range(self.KVH)]).astype(r.kstage.dtype)
+        r.vstage[...] = jnp.stack([qkv[:, Q + KV + h * HD:Q + KV + (h + 1) * HD]
+                                   for h in range(self.KVH)]).astype(r.vstage.dtype)
+
+    def attend_row(self, l, b):
+        """Batch row b: its committed cache prefix in KV tiles, then its T new tokens under the tree mask, into
+        attn_scr; then start the DMAs writing its new K/V rows to the cache (waited one layer later)."""
+        r, s, G, Tp, HD = self.refs, self.refs.smem, self.G, self.Tp, self.HD
+        nt, length, base, nxt = s["ntiles"][b], s["lengths"][b], s["tile_base"][b], s["next_row"][b]
+        rows = pl.ds(pl.multiple_of(b * Tp, Tp), Tp)
+        qs = r.qh_scr[:, rows, :]  # [NH, Tp, HD]
+        # the G query heads sharing KV head h, stacked along rows: [G*Tp, HD]
+        q = [qs[h * G:(h + 1) * G].reshape(G * Tp, HD) for h in range(self.KVH)]
+
+        def tile(j, states):
+            return self.attend_cache_tile(l, b, j, states, q, nt, length, base, nxt)
+
+        init = (jnp.full((G * Tp, 1), NEG, jnp.float32), jnp.zeros((G * Tp, 1), jnp.float32),
+                jnp.zeros((G * Tp, HD), jnp.float32))
+        states = lax.fori_loop(0, nt, tile, (init,) * self.KVH)
+        # the new tokens themselves, from VMEM, under the tree mask
+        bias = r.vmem["bias"][rows, :]
+        bias = jnp.concatenate([bias] * G, axis=0)
+        kn, vn = r.kstage[:, rows], r.vstage[:, rows]  # [KVH, Tp, HD]
+        for h in range(self.KVH):
+            _, lsum, acc = _online_softmax(states[h], _mm_nt(q[h], kn[h]) + bias, vn[h])
+            out = acc / lsum
+            for g in range(G):
+                r.attn_scr[rows, pl.ds((h * G + g) * HD, HD)] = out[g * Tp:(g + 1) * Tp]
+        _start_all(self.write_copies(l, b, s["write_start"][b]))
+
+    def attend_cache_tile(self, l, b, j, states, q, nt, length, base, nxt):
+        """KV tile j of row b (of nt): prefetch the next tile (this row's, else the next row's first), wait for
+        this one, fold its committed positions (< length) into each KV head's online-softmax state."""
+        r, TK = self.refs, self.TK
+        slot = (base + j) % 2  # running KV-tile index in this layer, mod 2
+
+        @pl.when(j + 1 < nt)
+        def _():
+            _start_all(self.kv_copies(l, b, j + 1, 1 - slot))
+
+        @pl.when((j + 1 == nt) & (nxt < self.B))
+        def _():
+            _start_all(self.kv_copies(l, nxt, 0, 1 - slot))
+        _wait_all(self.kv_copies(l, b, j, slot))
+        kt, vt = r.kbuf[slot], r.vbuf[slot]  # [KVH, TK, HD]
+        pos = j * TK + lax.broadcasted_iota(jnp.int32, (1, TK), 1)
+        out = []
+        for h in range(self.KVH):
+            scores = _mm_nt(q[h], kt[h])  # [G*Tp, TK]
+            scores = jnp.where(pos < length, scores, NEG)  # only the committed prefix
+            out.append(_online_softmax(states[h], scores, vt[h]))
+        return tuple(out)
+
+    def act(self):
+        g = self.refs.g_scr[...]
+        self.refs.g_scr[...] = g * jax.nn.sigmoid(g) * self.refs.u_scr[...]
+
+    def layer_end(self, l):
+        if self.dims.num_taps:
+            slot = self.refs.smem["tap_slot"][l]
+
+            @pl.when(slot >= 0)
+            def _():
+                self.refs.taps_ref[slot] = self.refs.x_ref[...]
+
+    # ---- matmul pieces, one layer, the whole kernel ----
+
+    def piece(self, ev, bank):
+        """One matmul piece: columns [col, col+width) of sub-tile `sub` in `bank`, for segment `ev.seg`."""
+        r = self.refs
+        w = r.banks[bank, ev.sub, :, pl.ds(ev.col, ev.width)]  # [H, width]
+        a, b = ev.seg_col, ev.seg_col + ev.width
+        if ev.seg in sch.QKV_SEGMENTS:
+            o = self.qkv_offset[ev.seg]
+            r.qkv_scr[:, o + a:o + b] = _mm(r.h_scr[...], w)
+        elif ev.seg == "w_gate":
+            r.g_scr[:, a:b] = _mm(r.h_scr[...], w)
+        elif ev.seg == "w_up":
+            r.u_scr[:, a:b] = _mm(r.h_scr[...], w)
+        elif ev.seg == "wo":
+            r.x_ref[...] += _mm_nt(r.attn_scr[:, a:b], w)
+        else:  # w_down
+            r.x_ref[...] += _mm_nt(r.g_scr[:, a:b], w)
+
+    def run_layer(self, l):
+        """Layer l: start its first KV tile, then execute the static event list."""
+        s = self.refs.smem
+
+        @pl.when(s["first_row"][0] < self.B)  # KV tile 0 of this layer, overlapping the QKV matmuls
+        def _():
+            _start_all(self.kv_copies(l, s["first_row"][0], 0, 0))
+
+        deferred = []  # (bug "read_before_wait") waits moved after the tile's compute
+        for ev in self.events:
+            if ev.kind == "op":
+                self.op(ev.name, l)
+            elif ev.kind == "wait":
+                if self.bug == "read_before_wait":
+                    deferred.append(ev.tile)
+                else:
+                    self.weight_copy(l, ev.tile).wait()
+            elif ev.kind == "piece":
+                self.piece(ev, (l * self.P + ev.tile) % self.NB)
+            elif ev.kind == "start":
+                while deferred:
+                    self.weight_copy(l, deferred.pop()).wait()
+
+                @pl.when(l + ev.ahead_layers < self.L)
+                def _(ev=ev):
+                    self.weight_copy(l + ev.ahead_layers, ev.ahead_tile).start()
+
+    def run(self):
+        """Prologue (first NB weight tiles in flight, x = embeddings), the layer loop, the last cache writes."""
+        r = self.refs
+        r.x_ref[...] = r.vmem["x0"][...]
+        for layer, tile in sch.prologue_starts(self.cfg, self.plan):
+            self.weight_copy(layer, tile).start()
+
+        def layer(l, carry):
+            self.run_layer(l)
+            return carry
+
+        lax.fori_loop(0, self.L, layer, 0)
+        # the last layer's cache writes (all of them if the per-layer waits were skipped)
+        self.wait_writes(self.L if self.bug == "skip_cache_write_wait" else 1)
+
+
+def _build_kernel(cfg: ModelConfig, plan: Plan, dims: Dims, bug: str | None):
+    """Returns the kernel body for static (cfg, plan, dims): names the refs and runs `_Kernel`."""
+    def kernel(*refs):
+        _Kernel(cfg, plan, dims, bug, _KernelRefs.from_refs(cfg, dims, refs)).run()
 
     return kernel
 
@@ -420,7 +508,7 @@ def megakernel_call(cfg: ModelConfig, plan: Plan, dims: Dims, *, interpret: Any,
     in_specs = ([pl.BlockSpec(memory_space=pltpu.SMEM)] * n_smem + [pl.BlockSpec(memory_space=pltpu.VMEM)] * n_vmem
                 + [pl.BlockSpec(memory_space=pl.ANY)] * 3)
     first_cache = n_smem + n_vmem + 1
-    scratch = [
+    scratch = [  # the order of _KernelRefs' scratch fields
         pltpu.VMEM((plan.num_banks, plan.subtiles_per_tile, H, plan.subtile_cols), wdt),  # weight banks
         pltpu.SemaphoreType.DMA((plan.num_banks,)),
         pltpu.VMEM((N, H), f32),  # h: normed activations
