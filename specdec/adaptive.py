@@ -22,10 +22,12 @@ Inputs, both known before the target runs:
   ratio measures that bias on exactly those rounds. Its totals are reported (`expected_accepted`,
   `realised_accepted` in the metrics), so a run shows how far its acceptance model was off.
 - Exploration: after `explore_every` (8) rounds in a row that verified nothing, one round verifies at the
-  narrowest non-zero width, so a row whose text turns copy-heavy is noticed. A verified round that accepts nothing
-  doubles that gap (up to `explore_max`, 64) and one that accepts a draft token resets it, so on text where
-  drafts keep failing (open chat) exploring costs ~(C(1) - C(0)) / C(0) / 64 of a step instead of / 8 (~4%
-  here at 8). (Session 6 let unobserved counts drift back to the optimistic prior instead: on open chat a
+  narrowest non-zero width, so a row whose text turns copy-heavy is noticed. A verified round whose accepted
+  drafts do not pay for its width doubles that gap (up to `explore_max`, 64) and one that pays resets it, so on
+  text where drafts keep failing (open chat) exploring costs ~(C(1) - C(0)) / C(0) / 64 of a step instead of / 8
+  (~4% here at 8). (Until session 11 any accepted token reset the gap: at batch 8 some row nearly always accepts
+  one, so a tree drafter, whose narrowest width is the whole tree at ~2x a plain round, explored every 9th
+  round and lost 22% on GSM8K.) (Session 6 let unobserved counts drift back to the optimistic prior instead: on open chat a
   third of the rounds then verified drafts accepted 11% of the time.)
 
 A width > 0 must beat width 0 by `margin` (5%): the measured costs are good to a few percent, so a
@@ -90,6 +92,8 @@ class AdaptiveState:
     # the acceptance model's own check: accepted drafts it expected (uncalibrated) in the round being verified,
     # both summed over the loop's verified rounds, and both decayed per verified round (the calibration)
     round_expected: jax.Array  # float32 []
+    # accepted drafts the round being verified needs to pay for its width: active rows x (C(W) / C(0) - 1)
+    round_break_even: jax.Array  # float32 []
     expected_accepted: jax.Array  # float32 []
     realised_accepted: jax.Array  # float32 []
     calib_expected: jax.Array  # float32 []
@@ -175,6 +179,7 @@ class AdaptiveWidth:
             width_rounds=jnp.zeros((k,), jnp.int32), skipped_drafts=jnp.zeros((), jnp.int32),
             predicted_seconds=jnp.zeros((), jnp.float32), quiet_rounds=jnp.zeros((), jnp.int32),
             explore_gap=jnp.asarray(self.explore_every, jnp.int32), round_expected=jnp.zeros((), jnp.float32),
+            round_break_even=jnp.zeros((), jnp.float32),
             expected_accepted=jnp.zeros((), jnp.float32), realised_accepted=jnp.zeros((), jnp.float32),
             calib_expected=jnp.zeros((), jnp.float32), calib_realised=jnp.zeros((), jnp.float32))
 
@@ -282,7 +287,8 @@ class AdaptiveWidth:
             skipped_drafts=st.skipped_drafts + (any_active & ~drafted).astype(jnp.int32),
             predicted_seconds=st.predicted_seconds + jnp.where(any_active, cost, 0.0),
             quiet_rounds=jnp.where(ran > 0, 0, st.quiet_rounds + any_active.astype(jnp.int32)),
-            round_expected=jnp.where(ran > 0, jnp.sum(jnp.where(active, expected[:, k], 0.0)), 0.0))
+            round_expected=jnp.where(ran > 0, jnp.sum(jnp.where(active, expected[:, k], 0.0)), 0.0),
+            round_break_even=jnp.sum(active) * (st.round_cost[ran] / st.round_cost[0] - 1.0))
         return dataclasses.replace(draft, valid=keep), st
 
     def observe(self, st: AdaptiveState, verified: jax.Array, num_accepted: jax.Array,
@@ -291,7 +297,8 @@ class AdaptiveWidth:
         verified (`trees.levels_present` of the draft as verified). A count decays only when its position is
         observed (acceptance: reached; drafted rates: a round that drafted), so what a row learnt is kept while
         it skips the draft; finished rows keep their counts. A round that verified something sets the
-        exploration gap: back to `explore_every` if any row accepted a draft token, else doubled."""
+        exploration gap: back to `explore_every` if the drafts it accepted paid for its width (break-even:
+        active rows x (C(W) / C(0) - 1) accepted drafts), else doubled."""
         was_drafted = st.last_drafted_levels
         pos = jnp.arange(verified.shape[1])[None, :]
         reached = verified & (pos <= num_accepted[:, None]) & active[:, None]  # j verified and j-1 accepted
@@ -299,10 +306,11 @@ class AdaptiveWidth:
         g_seen = jnp.where(reached, self.decay, 1.0)
         did = (st.last_drafted & active)[:, None]
         g_drafted = jnp.where(did, self.decay, 1.0)
-        gap = jnp.where(jnp.any(hit), self.explore_every, jnp.minimum(2 * st.explore_gap, self.explore_max))
         # the acceptance model's check: what this round realised against what it was expected to (if verified)
         checked = jnp.any(reached)
         realised = jnp.sum(jnp.where(hit, 1.0, 0.0))
+        paid = jnp.any(hit) & (realised >= st.round_break_even)
+        gap = jnp.where(paid, self.explore_every, jnp.minimum(2 * st.explore_gap, self.explore_max))
         g_calib = jnp.where(checked, self.calibration_decay, 1.0)
         return dataclasses.replace(
             st, explore_gap=jnp.where(checked, gap, st.explore_gap).astype(jnp.int32),

@@ -163,8 +163,8 @@ def test_exploration_verifies_after_a_run_of_quiet_rounds():
 
 
 def test_exploration_backs_off_while_verified_drafts_fail():
-    """Each verified round that accepts nothing doubles the quiet gap before the next exploration (up to
-    explore_max); a round that accepts a draft token resets it; width-0 rounds leave it alone."""
+    """Each verified round whose accepted drafts do not pay for its width doubles the quiet gap before the next
+    exploration (up to explore_max); a round that pays resets it; width-0 rounds leave it alone."""
     sched = AdaptiveWidth(explore_every=2, explore_max=8)
     st = sched.init_state(2, 3, ((1.0, 1.5, 2.0), 0.1))
     active = jnp.asarray([True, True])
@@ -176,6 +176,14 @@ def test_exploration_backs_off_while_verified_drafts_fail():
         st = sched.observe(st, levels, jnp.asarray(accepted, jnp.int32), active)
         gaps.append(int(st.explore_gap))
     assert gaps == [4, 8, 8, 8, 8, 2]
+    # a round must pay for its width to reset the gap: two rows at C(W) / C(0) = 1.75 need 1.5 accepted drafts
+    st = dataclasses.replace(st, round_break_even=jnp.asarray(1.5, jnp.float32))
+    assert int(sched.observe(st, verified, jnp.asarray([0, 1], jnp.int32), active).explore_gap) == 4
+    assert int(sched.observe(st, verified, jnp.asarray([1, 1], jnp.int32), active).explore_gap) == 2
+    # refine records the break-even of the width it runs: width 3 at cost 2.0 for two active rows
+    _, ran3 = sched.refine(st, Draft.chain(jnp.ones((2, 3), jnp.int32)), jnp.asarray(2), jnp.asarray(True),
+                           (0, 1, 3), active, look=False, tree=False)
+    assert float(ran3.round_break_even) == 2 * (2.0 / 1.0 - 1.0)
     # the gap is what the plan waits for: 3 quiet rounds do not explore at gap 4, the 4th does
     st = dataclasses.replace(st, explore_gap=jnp.asarray(4, jnp.int32), hits=jnp.zeros((2, 3)),
                              reached=jnp.full((2, 3), 50.0), drafted=jnp.full((2, 3), 50.0),
