@@ -42,6 +42,8 @@ PROMPTS = ("Write a short story about a robot who learns to paint.",
 # ----------------------------------------------------------------------------------------------------------
 
 def _timed(fn, repeats: int) -> float:
+    """benchmarks.common.median_seconds, repeated here: the probe runs against another commit's tree, whose
+    benchmarks/ may not have it (and whose specdec may lack what common.py imports)."""
     import jax
     import numpy as np
 

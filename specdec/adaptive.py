@@ -15,11 +15,15 @@ Inputs, both known before the target runs:
   position is observed, so a row's estimates follow its text): the conditional acceptance of position j given
   j-1 was accepted, and how often position j is drafted at all (an n-gram miss drafts nothing).
 - Calibration: the per-row estimates are checked against what the rounds they chose realised. Each verified
-  round records the accepted drafts its estimates expected (summed over active rows, uncalibrated) and the ones
-  it accepted; the decayed ratio realised / expected (`calibration`, ratio 1 with no evidence) scales every
-  expected gain. The rounds that get verified are those whose noisy estimates looked best (a winner's curse that
-  grows with the batch: at batch 8 the summed estimates chose widths that lost 11% on GSM8K, session 10), and the
-  ratio measures that bias on exactly those rounds. Its totals are reported (`expected_accepted`,
+  round records, by draft position, the accepted drafts its estimates expected (summed over active rows,
+  uncalibrated) and the ones it accepted; the decayed ratio realised / expected (`calibration`, ratio 1 with
+  no evidence) scales the expected gains. The rounds that get
+  verified are those whose noisy estimates looked best (a winner's curse that grows with the batch: at batch 8
+  the summed estimates chose widths that lost 11% on GSM8K, session 10), and the ratio measures that bias on
+  exactly those rounds (one ratio for the whole draft by default; `calibration_per_position` keeps one per
+  depth). Batches of one row are not calibrated (`calibration_min_batch`): there the row's own history is the
+  feedback, and the ratio, updated only by verified rounds, stayed low after a row's text turned copy-heavy
+  (the quickstart's rewrite prompts lost half their speedup). Its totals are reported (`expected_accepted`,
   `realised_accepted` in the metrics), so a run shows how far its acceptance model was off.
 - Exploration: after `explore_every` (8) rounds in a row that verified nothing, one round verifies at the
   narrowest non-zero width, so a row whose text turns copy-heavy is noticed. A verified round whose accepted
@@ -89,15 +93,16 @@ class AdaptiveState:
     predicted_seconds: jax.Array  # float32 []
     quiet_rounds: jax.Array  # int32 [] consecutive iterations that verified nothing (exploration clock)
     explore_gap: jax.Array  # int32 [] quiet iterations before the next exploring round (backs off on failures)
-    # the acceptance model's own check: accepted drafts it expected (uncalibrated) in the round being verified,
-    # both summed over the loop's verified rounds, and both decayed per verified round (the calibration)
-    round_expected: jax.Array  # float32 []
+    # the acceptance model's own check: accepted drafts it expected (uncalibrated) in the round being verified
+    # by draft position, both summed over the loop's verified rounds, and both decayed per verified round by
+    # draft position (the calibration)
+    round_expected: jax.Array  # float32 [N]
     # accepted drafts the round being verified needs to pay for its width: active rows x (C(W) / C(0) - 1)
     round_break_even: jax.Array  # float32 []
     expected_accepted: jax.Array  # float32 []
     realised_accepted: jax.Array  # float32 []
-    calib_expected: jax.Array  # float32 []
-    calib_realised: jax.Array  # float32 []
+    calib_expected: jax.Array  # float32 [N]
+    calib_realised: jax.Array  # float32 [N]
 
     def forced(self, plan: int, refine: int, valid: bool = False) -> "AdaptiveState":
         """This state with the plan and refine decisions forced to those indices into the verify widths (and,
@@ -129,6 +134,14 @@ class AdaptiveWidth:
     # rounds. 0 turns it off.
     calibration_decay: float = 0.95
     calibration_weight: float = 4.0
+    # One ratio per draft position (True) or one for the whole draft (False, what session 11 measured): the bias
+    # need not be the same at every depth, and one ratio for all of them also shrinks the positions whose
+    # estimates were right (not yet measured).
+    calibration_per_position: bool = False
+    # Calibrate only batches of at least this many rows. A single row's estimates already are its own feedback,
+    # and the ratio, updated only by verified rounds, stays low long after a row's text turns copy-heavy: at
+    # batch 1 it cut the quickstart's rewrite speedup from 2.68x to 1.29x (session 11), where batch 8 needs it.
+    calibration_min_batch: int = 2
     reprofile: bool = False  # measure the round costs again even if cached
     # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
     # replay a run with another machine's costs, or in tests. None: measure (cached).
@@ -152,6 +165,8 @@ class AdaptiveWidth:
             raise ValueError(f"scheduler.margin must be in [0, 1), got {self.margin!r}")
         if not 0.0 <= self.calibration_decay < 1.0:
             raise ValueError(f"scheduler.calibration_decay must be in [0, 1), got {self.calibration_decay!r}")
+        if self.calibration_min_batch < 1:
+            raise ValueError(f"scheduler.calibration_min_batch must be >= 1, got {self.calibration_min_batch!r}")
         if self.calibration_weight < 0:
             raise ValueError(f"scheduler.calibration_weight must be >= 0, got {self.calibration_weight!r}")
         if self.prior_weight <= 0:
@@ -178,10 +193,10 @@ class AdaptiveWidth:
             last_drafted=jnp.asarray(False),
             width_rounds=jnp.zeros((k,), jnp.int32), skipped_drafts=jnp.zeros((), jnp.int32),
             predicted_seconds=jnp.zeros((), jnp.float32), quiet_rounds=jnp.zeros((), jnp.int32),
-            explore_gap=jnp.asarray(self.explore_every, jnp.int32), round_expected=jnp.zeros((), jnp.float32),
-            round_break_even=jnp.zeros((), jnp.float32),
+            explore_gap=jnp.asarray(self.explore_every, jnp.int32),
+            round_expected=jnp.zeros((num_nodes,), jnp.float32), round_break_even=jnp.zeros((), jnp.float32),
             expected_accepted=jnp.zeros((), jnp.float32), realised_accepted=jnp.zeros((), jnp.float32),
-            calib_expected=jnp.zeros((), jnp.float32), calib_realised=jnp.zeros((), jnp.float32))
+            calib_expected=jnp.zeros((num_nodes,), jnp.float32), calib_realised=jnp.zeros((num_nodes,), jnp.float32))
 
     def _rate(self, num, den, prior=None):
         prior = self.prior if prior is None else prior
@@ -203,12 +218,16 @@ class AdaptiveWidth:
         return jnp.cumprod(self.acceptance(st), axis=1)
 
     def calibration(self, st: AdaptiveState) -> jax.Array:
-        """Realised / expected accepted drafts over the recent verified rounds (1 with no evidence, or when
-        `calibration_weight` is 0)."""
-        if self.calibration_weight == 0:
-            return jnp.ones((), jnp.float32)
+        """[N]: realised / expected accepted drafts at each draft position over the recent verified rounds (one
+        ratio for all positions with `calibration_per_position` off; 1 with no evidence, when
+        `calibration_weight` is 0, or for a batch below `calibration_min_batch` rows)."""
+        n = st.calib_expected.shape[0]
+        if self.calibration_weight == 0 or st.hits.shape[0] < self.calibration_min_batch:
+            return jnp.ones((n,), jnp.float32)
         w = self.calibration_weight
-        return (st.calib_realised + w) / (st.calib_expected + w)
+        if self.calibration_per_position:
+            return (st.calib_realised + w) / (st.calib_expected + w)
+        return jnp.full((n,), (jnp.sum(st.calib_realised) + w) / (jnp.sum(st.calib_expected) + w))
 
     # -- decisions ---------------------------------------------------------------------------------------
 
@@ -232,16 +251,21 @@ class AdaptiveWidth:
         return jnp.where(exploring, allowed & (w == narrowest), allowed)
 
     def _expected_by_width(self, st: AdaptiveState, widths) -> jax.Array:
-        """[B, K]: expected accepted drafts per row at each verify width, before drafting (uncalibrated)."""
-        gain = self._rate(st.drafted, st.drafts) * self.survival(st)  # [B, N] P(j drafted and accepted)
-        cum = jnp.concatenate([jnp.zeros_like(gain[:, :1]), jnp.cumsum(gain, axis=1)], axis=1)  # [B, N+1]
-        return cum[:, jnp.asarray(widths)]
+        """[B, K, N]: P(position j drafted and accepted) per row, for the positions a verify width of widths[k]
+        covers (0 elsewhere), before drafting and uncalibrated."""
+        gain = self._rate(st.drafted, st.drafts) * self.survival(st)  # [B, N]
+        covered = jnp.arange(gain.shape[1])[None, :] < jnp.asarray(widths)[:, None]  # [K, N]
+        return jnp.where(covered[None], gain[:, None, :], 0.0)
+
+    def _value(self, st: AdaptiveState, expected: jax.Array, active: jax.Array) -> jax.Array:
+        """[K]: expected tokens a round commits at each width (calibrated), over the active rows."""
+        accepted = jnp.sum(expected * self.calibration(st)[None, None, :], axis=2)  # [B, K]
+        return jnp.sum(jnp.where(active[:, None], 1.0 + accepted, 0.0), axis=0)
 
     def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool) -> jax.Array:
         """Index into `widths` to draft for, from the history alone (0: skip the draft)."""
         n = st.hits.shape[1]
-        expected = self._expected_by_width(st, widths)  # [B, K] accepted drafts expected per row
-        value = jnp.sum(jnp.where(active[:, None], 1.0 + self.calibration(st) * expected, 0.0), axis=0)
+        value = self._value(st, self._expected_by_width(st, widths), active)
         best = self._best(value, st.round_cost, self._allowed(st, widths, n, tree))
         return jnp.where(st.force_plan >= 0, st.force_plan, best)
 
@@ -260,15 +284,15 @@ class AdaptiveWidth:
         else:
             drafted_levels = draft.valid
         k = planned
-        expected = self._expected_by_width(st, widths)  # [B, K] per row, uncalibrated
+        expected = self._expected_by_width(st, widths)  # [B, K, N] per row and position, uncalibrated
         if look:
             lead = jnp.sum(jnp.cumprod(valid.astype(jnp.int32), axis=1), axis=1)  # drafted prefix length [B]
-            cum = jnp.concatenate([jnp.zeros((valid.shape[0], 1)), jnp.cumsum(self.survival(st), axis=1)], axis=1)
             if tree:  # a tree's value: the levels it reaches, if verified at all
                 lead = jnp.max(jnp.where(valid, depth[:, 1:], 0), axis=1)
             upto = jnp.minimum(w[None, :], lead[:, None])  # [B, K]
-            expected = jnp.where(drafted, jnp.take_along_axis(cum, upto, axis=1), expected)
-            value = jnp.sum(jnp.where(active[:, None], 1.0 + self.calibration(st) * expected, 0.0), axis=0)
+            covered = jnp.arange(n)[None, None, :] < upto[:, :, None]  # [B, K, N]
+            expected = jnp.where(drafted, jnp.where(covered, self.survival(st)[:, None, :], 0.0), expected)
+            value = self._value(st, expected, active)
             verify_only = jnp.where(w > 0, st.round_cost - st.draft_cost, st.round_cost)  # the draft is paid
             k = jnp.where(drafted, self._best(value, verify_only, self._allowed(st, widths, n, tree)), planned)
         k = jnp.where(st.force_refine >= 0, st.force_refine, k)
@@ -287,7 +311,7 @@ class AdaptiveWidth:
             skipped_drafts=st.skipped_drafts + (any_active & ~drafted).astype(jnp.int32),
             predicted_seconds=st.predicted_seconds + jnp.where(any_active, cost, 0.0),
             quiet_rounds=jnp.where(ran > 0, 0, st.quiet_rounds + any_active.astype(jnp.int32)),
-            round_expected=jnp.where(ran > 0, jnp.sum(jnp.where(active, expected[:, k], 0.0)), 0.0),
+            round_expected=jnp.where(ran > 0, jnp.sum(jnp.where(active[:, None], expected[:, k], 0.0), axis=0), 0.0),
             round_break_even=jnp.sum(active) * (st.round_cost[ran] / st.round_cost[0] - 1.0))
         return dataclasses.replace(draft, valid=keep), st
 
@@ -308,14 +332,14 @@ class AdaptiveWidth:
         g_drafted = jnp.where(did, self.decay, 1.0)
         # the acceptance model's check: what this round realised against what it was expected to (if verified)
         checked = jnp.any(reached)
-        realised = jnp.sum(jnp.where(hit, 1.0, 0.0))
-        paid = jnp.any(hit) & (realised >= st.round_break_even)
+        realised = jnp.sum(jnp.where(hit, 1.0, 0.0), axis=0)  # [N] by draft position
+        paid = jnp.any(hit) & (jnp.sum(realised) >= st.round_break_even)
         gap = jnp.where(paid, self.explore_every, jnp.minimum(2 * st.explore_gap, self.explore_max))
         g_calib = jnp.where(checked, self.calibration_decay, 1.0)
         return dataclasses.replace(
             st, explore_gap=jnp.where(checked, gap, st.explore_gap).astype(jnp.int32),
-            expected_accepted=st.expected_accepted + jnp.where(checked, st.round_expected, 0.0),
-            realised_accepted=st.realised_accepted + jnp.where(checked, realised, 0.0),
+            expected_accepted=st.expected_accepted + jnp.where(checked, jnp.sum(st.round_expected), 0.0),
+            realised_accepted=st.realised_accepted + jnp.where(checked, jnp.sum(realised), 0.0),
             calib_expected=g_calib * st.calib_expected + jnp.where(checked, st.round_expected, 0.0),
             calib_realised=g_calib * st.calib_realised + jnp.where(checked, realised, 0.0),
             hits=g_seen * st.hits + hit, reached=g_seen * st.reached + reached,

@@ -163,6 +163,8 @@ class SchedulerConfig:
     margin: float = 0.05  # "adaptive": verify only when the expected tokens/s beat a plain step's by this factor
     calibration_weight: float = 4.0  # "adaptive": pseudo-tokens of the realised/expected acceptance ratio; 0: off
     calibration_decay: float = 0.95  # "adaptive": that ratio's decay per verified round
+    calibration_per_position: bool = False  # "adaptive": one ratio per draft position (default: one for the draft)
+    calibration_min_batch: int = 2  # "adaptive": calibrate only batches of at least this many rows
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
     reprofile: bool = False  # "adaptive": measure the round costs again even if cached
 
@@ -173,6 +175,7 @@ class SchedulerConfig:
         _at_least(self, 1, "explore_every")
         _require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin!r}")
         _require(self.calibration_weight >= 0, "calibration_weight", f"must be >= 0, got {self.calibration_weight!r}")
+        _at_least(self, 1, "calibration_min_batch")
         _require(0 <= self.calibration_decay < 1, "calibration_decay",
                  f"must be in [0, 1), got {self.calibration_decay!r}")
         _require(self.explore_max >= self.explore_every, "explore_max",

@@ -234,7 +234,9 @@ def make_scheduler(cfg, target=None, max_tokens: int | None = None, log=print) -
                              cost_path=cfg.cost_path, explore_every=int(cfg.explore_every),
                              explore_max=int(cfg.explore_max), margin=float(cfg.margin),
                              calibration_weight=float(cfg.calibration_weight),
-                             calibration_decay=float(cfg.calibration_decay))
+                             calibration_decay=float(cfg.calibration_decay),
+                             calibration_per_position=bool(cfg.calibration_per_position),
+                             calibration_min_batch=int(cfg.calibration_min_batch))
     if cfg.kind == "threshold":
         return Scheduler("threshold", threshold=float(cfg.threshold))
     if target is None or not max_tokens:

@@ -5,6 +5,7 @@ choose width 0, the sampled output's distribution through the engine, and the me
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,13 +94,13 @@ def test_observe_counts_reached_and_accepted_positions():
 def test_calibration_scales_expected_gains_by_realised_over_expected():
     """Each verified round records what the per-row estimates expected of it (uncalibrated) and what it realised;
     their decayed ratio scales every expected gain, so estimates that keep over-promising stop buying widths."""
-    sched = AdaptiveWidth(calibration_weight=2.0, calibration_decay=0.5)
+    sched = AdaptiveWidth(calibration_weight=2.0, calibration_decay=0.5, calibration_per_position=False)
     widths = (0, 1, 3)
     active = jnp.asarray([True, True])
     # both rows accepted 9 of their last 10 drafts at every position: raw estimates favour verifying
     st = state_with(sched, [[9, 9, 9]] * 2, [[10, 10, 10]] * 2, [[10, 10, 10]] * 2, [[10], [10]],
                     ((1.0, 1.5, 1.9), 0.1))
-    assert float(sched.calibration(st)) == 1.0
+    assert np.all(np.asarray(sched.calibration(st)) == 1.0)
     assert int(sched.plan(st, widths, active, tree=False)) == 2
     draft = Draft.chain(jnp.ones((2, 3), jnp.int32))
     _, st = sched.refine(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
@@ -108,28 +109,37 @@ def test_calibration_scales_expected_gains_by_realised_over_expected():
     r2 = (9 + r1) / (10 + 1)
     r3 = (9 + r2) / (10 + 1)
     expected = 2 * (r1 + r1 * r2 + r1 * r2 * r3)  # two rows, three positions, survival products
-    np.testing.assert_allclose(float(st.round_expected), expected, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(st.round_expected), [2 * r1, 2 * r1 * r2, 2 * r1 * r2 * r3], rtol=1e-6)
     # the round realises nothing: both rows reject position 1
     st = sched.observe(st, draft.valid, jnp.asarray([0, 0]), active)
     np.testing.assert_allclose([float(st.expected_accepted), float(st.realised_accepted)], [expected, 0.0],
                                rtol=1e-6)
-    np.testing.assert_allclose(float(sched.calibration(st)), 2.0 / (expected + 2.0), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(sched.calibration(st)), [2.0 / (expected + 2.0)] * 3, rtol=1e-6)
+    # by position (the default), each position has its own ratio
+    by_position = np.asarray(dataclasses.replace(sched, calibration_per_position=True).calibration(st))
+    np.testing.assert_allclose(by_position, [2.0 / (2 * r1 + 2), 2.0 / (2 * r1 * r2 + 2), 2.0 / (2 * r1 * r2 * r3 + 2)],
+                               rtol=1e-6)
     # a second such round, verified at the planned width (a sampled draft: refine does not look): the sums
     # decay by 0.5 before adding (the row counts moved too)
     _, st = sched.refine(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=False, tree=False)
-    second = float(st.round_expected)
+    second = float(np.sum(st.round_expected))
     st = sched.observe(st, draft.valid, jnp.asarray([0, 0]), active)
-    np.testing.assert_allclose(float(sched.calibration(st)), 2.0 / (0.5 * expected + second + 2.0), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(sched.calibration(st))[0], 2.0 / (0.5 * expected + second + 2.0),
+                               rtol=1e-6)
     # with the row estimates put back to the optimistic ones, the calibrated plan no longer verifies
     optimistic = dataclasses.replace(st, hits=jnp.full((2, 3), 9.0), reached=jnp.full((2, 3), 10.0))
     assert int(sched.plan(optimistic, widths, active, tree=False)) == 0
     assert int(AdaptiveWidth(calibration_weight=0).plan(optimistic, widths, active, tree=False)) == 2
+    # a single row is not calibrated (calibration_min_batch 2): its own history is its feedback
+    one = jax.tree.map(lambda x: x[:1] if x.ndim == 2 else x, optimistic)
+    assert np.all(np.asarray(sched.calibration(one)) == 1.0)
+    assert int(sched.plan(one, widths, active[:1], tree=False)) == 2
     # a round that verified nothing leaves the calibration alone
     _, quiet = sched.refine(optimistic, draft, jnp.asarray(0), jnp.asarray(False), widths, active, look=True,
                             tree=False)
-    assert float(quiet.round_expected) == 0.0
+    assert not np.any(np.asarray(quiet.round_expected))
     quiet = sched.observe(quiet, jnp.zeros((2, 3), bool), jnp.asarray([0, 0]), active)
-    assert float(sched.calibration(quiet)) == float(sched.calibration(st))
+    assert np.array_equal(sched.calibration(quiet), sched.calibration(st))
 
 
 def test_exploration_verifies_after_a_run_of_quiet_rounds():
