@@ -1,7 +1,8 @@
 """From config sections to live objects: the target, its text codec, the drafter and the policy name.
 
 `model.name: tiny` is the random two-layer test model (`specdec.models.config.tiny_config`, vocabulary 256),
-which has no tokenizer; `ByteCodec` gives it a deterministic byte-level one: token id = UTF-8 byte value.
+which has no tokenizer; `ByteCodec` (specdec/models/tokenizer.py) gives it a deterministic byte-level one: token
+id = UTF-8 byte value.
 Ids 0-2 double as the tiny model's special tokens (unk, bos, eos); those control bytes never occur in text
 and are dropped when decoding. No chat template.
 
@@ -18,31 +19,11 @@ from typing import Sequence
 
 from specdec import sharding
 from specdec.config import ExperimentConfig, MeshConfig, TargetConfig, VerifyConfig
+from specdec.models.tokenizer import ByteCodec, plain_conversation
 from specdec.target import Target
 from specdec.verify import Policy, get_policy
 
 TINY_NAMES = ("tiny",)
-
-
-def plain_conversation(messages: Sequence[dict]) -> str:
-    """A conversation as plain text, for models without a chat template: the turns' texts, blank-line separated."""
-    return "\n\n".join(m["content"] for m in messages)
-
-
-class ByteCodec:
-    """Text <-> token ids for models without a tokenizer: one token per UTF-8 byte."""
-
-    chat_template = None
-    specials = (0, 1, 2)
-
-    def encode(self, text: str, chat: bool = False) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_messages(self, messages: Sequence[dict], chat: bool = False) -> list[int]:
-        return self.encode(plain_conversation(messages))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(int(i) for i in ids if 2 < int(i) < 256).decode("utf-8", errors="replace")
 
 
 class TokenizerCodec:

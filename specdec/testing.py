@@ -9,6 +9,8 @@
   against the exact law, and the negative controls' check).
 - A drafter's tokens against the q it returns: `draft_fit`, `assert_draft_matches_its_q`.
 - An exported drafter with one field or tensor edited (the import-refusal tests): `edited_export`.
+- Text for the tokenizer-less tiny model: `specdec.models.tokenizer.ByteCodec` (one token per UTF-8 byte) is
+  the one byte codec; experiments and the data builder use it too, so tests import it from there.
 """
 
 from __future__ import annotations

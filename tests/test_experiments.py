@@ -332,7 +332,8 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path):
 
 
 def test_codecs_apply_the_chat_template_when_the_tokenizer_has_one():
-    from experiments.build import ByteCodec, TokenizerCodec
+    from experiments.build import TokenizerCodec
+    from specdec.models.tokenizer import ByteCodec
 
     class Tok:
         chat_template = "<chatml>"
@@ -470,7 +471,8 @@ def test_chat_layouts_messages_and_sharegpt_conversations(tmp_path):
     assert s1.messages == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hey"}]
     assert (s1.text, s1.reference, s1.layout) == ("Hey", "Hi!", "chat")
 
-    from experiments.build import ByteCodec, encode_prompt
+    from experiments.build import encode_prompt
+    from specdec.models.tokenizer import ByteCodec
 
     assert ByteCodec().decode(encode_prompt(ByteCodec(), s1, chat=False)) == "Be kind.\n\nHey"
 
@@ -533,7 +535,8 @@ def test_multi_turn_mt_bench_prompts(tmp_path):
 
 def test_multi_turn_run_asks_turn_two_after_the_targets_own_answer(tmp_path):
     """Spec-Bench's MT-Bench on the tiny model: turn 2 is [user 1, the target's greedy AR answer, user 2]."""
-    from experiments.build import ByteCodec, build_target
+    from experiments.build import build_target
+    from specdec.models.tokenizer import ByteCodec
     from specdec.generate import generate
     from specdec.sampling import GREEDY
 
@@ -562,7 +565,7 @@ def test_multi_turn_run_asks_turn_two_after_the_targets_own_answer(tmp_path):
 def test_resumed_multi_turn_run_reuses_its_own_answers(tmp_path):
     """An interrupted multi-turn run resumes with the earlier-turn answers of own_answers.json, never new ones: the
     conversations of its later turns stay the ones it started with (here marked, to see which were used)."""
-    from experiments.build import ByteCodec
+    from specdec.models.tokenizer import ByteCodec
 
     mt = mt_bench_file(tmp_path)
     cfg = tiny_cfg(tmp_path, "mt2", f"data.datasets=[{{name: {mt}, turns: 2, limit: 2}}]", "generation.batch_size=1")

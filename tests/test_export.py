@@ -231,7 +231,7 @@ def test_generate_command_takes_a_drafter_directory(exports, target, monkeypatch
     import dataclasses
     import types
 
-    from experiments.build import ByteCodec
+    from specdec.models.tokenizer import ByteCodec
 
     seen = {}
 

@@ -190,3 +190,28 @@ class Tokenizer:
             template = jinja_file.read_text()
         return cls(backend, bos_token=name(cfg.get("bos_token")), eos_token=name(cfg.get("eos_token")),
                    pad_token=name(cfg.get("pad_token")), unk_token=name(cfg.get("unk_token")), chat_template=template)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Models without a tokenizer (random test models): one token per UTF-8 byte
+# ----------------------------------------------------------------------------------------------------------
+
+def plain_conversation(messages: Sequence[dict]) -> str:
+    """A conversation as plain text, for models without a chat template: the turns' texts, blank-line separated."""
+    return "\n\n".join(m["content"] for m in messages)
+
+
+class ByteCodec:
+    """Text <-> token ids for models without a tokenizer: one token per UTF-8 byte."""
+
+    chat_template = None
+    specials = (0, 1, 2)
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_messages(self, messages: Sequence[dict], chat: bool = False) -> list[int]:
+        return self.encode(plain_conversation(messages))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 2 < int(i) < 256).decode("utf-8", errors="replace")

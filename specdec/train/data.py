@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from specdec.generate import ContinuousStats, continuous_shapes, generate_continuous
+from specdec.models.tokenizer import ByteCodec
 from specdec.records import DataError, chat_list, first_user, last_assistant, load_records, record_text, sample_order
 from specdec.sampling import SamplingParams
 
@@ -152,8 +153,8 @@ def encode_prompt(target, record: PromptRecord, chat_template: bool) -> list[int
     if record.tokens is not None:
         return list(record.tokens)
     tok = target.tokenizer
-    if tok is None:  # random test models: UTF-8 bytes as ids (the experiments' ByteCodec convention)
-        ids = list(record.text.encode("utf-8"))
+    if tok is None:  # random test models: UTF-8 bytes as ids, as everywhere else (specdec.models.tokenizer)
+        ids = ByteCodec().encode(record.text)
         if max(ids, default=0) >= target.cfg.vocab_size:
             raise DataError(f"target has no tokenizer and vocabulary {target.cfg.vocab_size} < 256: cannot "
                             "byte-encode text prompts")
