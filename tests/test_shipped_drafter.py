@@ -28,12 +28,12 @@ def test_shipped_drafter_greedy_equals_ar(real_target):
     assert _shipped_drafter_fits(real_target) == str(SHIPPED_DRAFTER)
     drafter = create_drafter(None, real_target, 7, path=str(SHIPPED_DRAFTER))
     assert drafter.name == "dspark"
-    prompts = [real_target.tokenizer.encode_chat(text) for _, text in builtin("quickstart")[:3]]
-    ar = generate(real_target, prompts, 40).tokens
-    fixed = speculative_generate(real_target, drafter, prompts, max_new_tokens=40)
+    prompts = [real_target.tokenizer.encode_chat(text) for _, text in builtin("quickstart")[:2]]
+    ar = generate(real_target, prompts, 24).tokens
+    fixed = speculative_generate(real_target, drafter, prompts, max_new_tokens=24)
     assert fixed.tokens == ar
     assert fixed.metrics.accepted_draft_tokens > 0  # it drafts tokens the target accepts
-    adaptive = speculative_generate(real_target, drafter, prompts, max_new_tokens=40, verify_buckets="auto",
+    adaptive = speculative_generate(real_target, drafter, prompts, max_new_tokens=24, verify_buckets="auto",
                                     scheduler=AdaptiveWidth(costs=COSTS))
     assert adaptive.tokens == ar
     assert adaptive.metrics.width_rounds[0] > 0 and sum(adaptive.metrics.width_rounds[1:]) > 0
