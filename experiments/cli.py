@@ -40,10 +40,10 @@ def _encode(target, text: str, chat: bool) -> list[int]:
 def _shipped_drafter_fits(target) -> str | None:
     """The shipped trained drafter's path if it was trained on `target` (same shapes), else None."""
     from drafters import SHIPPED_DRAFTER
-    from specdec.train.checkpoint import check_target
+    from specdec.train.checkpoint import DRAFTER_FILE, check_target
 
     try:
-        info = json.loads((SHIPPED_DRAFTER / "drafter.json").read_text())
+        info = json.loads((SHIPPED_DRAFTER / DRAFTER_FILE).read_text())
         check_target(info, target, str(SHIPPED_DRAFTER))
     except (OSError, ValueError):  # missing, unreadable, or trained on another target (CheckpointError)
         return None

@@ -17,13 +17,13 @@ Inputs, both known before the target runs:
 - Calibration: the per-row estimates are checked against what the rounds they chose realised. Each verified
   round records, by draft position, the accepted drafts its estimates expected (summed over active rows,
   uncalibrated) and the ones it accepted; the decayed ratio realised / expected (`calibration`, ratio 1 with
-  no evidence) scales the expected gains. The rounds that get
-  verified are those whose noisy estimates looked best (a winner's curse that grows with the batch: at batch 8
-  the summed estimates chose widths that lost 11% on GSM8K, session 10), and the ratio measures that bias on
-  exactly those rounds (one ratio for the whole draft by default; `calibration_per_position` keeps one per
-  depth). Batches of one row are not calibrated (`calibration_min_batch`): there the row's own history is the
-  feedback, and the ratio, updated only by verified rounds, stayed low after a row's text turned copy-heavy
-  (the quickstart's rewrite prompts lost half their speedup). Its totals are reported (`expected_accepted`,
+  no evidence) scales the expected gains. The rounds that get verified are those whose noisy estimates looked
+  best (a winner's curse that grows with the batch: at batch 8 the summed estimates chose widths that lost 11%
+  on GSM8K, session 10), and the ratio measures that bias on exactly those rounds (one ratio for the whole
+  draft by default; `calibration_per_position` keeps one per depth). Batches of one row are not calibrated
+  (`calibration_min_batch`): there the row's own history is the feedback, and the ratio, updated only by
+  verified rounds, stayed low after a row's text turned copy-heavy (at batch 1 it cut n-gram's HumanEval tau
+  from 1.35 to 1.13). Its totals are reported (`expected_accepted`,
   `realised_accepted` in the metrics), so a run shows how far its acceptance model was off.
 - Exploration: after `explore_every` (8) rounds in a row that verified nothing, one round verifies at the
   narrowest non-zero width, so a row whose text turns copy-heavy is noticed. A verified round whose accepted
@@ -31,8 +31,8 @@ Inputs, both known before the target runs:
   text where drafts keep failing (open chat) exploring costs ~(C(1) - C(0)) / C(0) / 64 of a step instead of / 8
   (~4% here at 8). (Until session 11 any accepted token reset the gap: at batch 8 some row nearly always accepts
   one, so a tree drafter, whose narrowest width is the whole tree at ~2x a plain round, explored every 9th
-  round and lost 22% on GSM8K.) (Session 6 let unobserved counts drift back to the optimistic prior instead: on open chat a
-  third of the rounds then verified drafts accepted 11% of the time.)
+  round and lost 22% on GSM8K.) (Session 6 let unobserved counts drift back to the optimistic prior instead: on
+  open chat a third of the rounds then verified drafts accepted 11% of the time.)
 
 A width > 0 must beat width 0 by `margin` (5%): the measured costs are good to a few percent, so a
 predicted gain smaller than that is as likely a loss.
@@ -46,8 +46,9 @@ Two decisions per round:
 
 Why this is lossless: whether draft position j is verified depends only on the past (history counts and the
 calibration, both from rounds already committed), the machine's costs and, in `refine`, on draft lengths that
-are deterministic functions of the committed context. It never depends on the sampled value of a draft token, so rejection sampling stays exact (the DSpark paper's
-appendix A shows what goes wrong otherwise; specdec/scheduling.py). Under greedy decoding any choice is exact.
+are deterministic functions of the committed context. It never depends on the sampled value of a draft token,
+so rejection sampling stays exact (the DSpark paper's appendix A shows what goes wrong otherwise;
+specdec/scheduling.py). Under greedy decoding any choice is exact.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class AdaptiveWidth:
     calibration_per_position: bool = False
     # Calibrate only batches of at least this many rows. A single row's estimates already are its own feedback,
     # and the ratio, updated only by verified rounds, stays low long after a row's text turns copy-heavy: at
-    # batch 1 it cut the quickstart's rewrite speedup from 2.68x to 1.29x (session 11), where batch 8 needs it.
+    # batch 1 it cut n-gram's HumanEval tau from 1.35 to 1.13 (session 11), where batch 8 needs it.
     calibration_min_batch: int = 2
     reprofile: bool = False  # measure the round costs again even if cached
     # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
@@ -332,7 +333,7 @@ class AdaptiveWidth:
         g_drafted = jnp.where(did, self.decay, 1.0)
         # the acceptance model's check: what this round realised against what it was expected to (if verified)
         checked = jnp.any(reached)
-        realised = jnp.sum(jnp.where(hit, 1.0, 0.0), axis=0)  # [N] by draft position
+        realised = jnp.sum(hit, axis=0, dtype=jnp.float32)  # [N] by draft position
         paid = jnp.any(hit) & (jnp.sum(realised) >= st.round_break_even)
         gap = jnp.where(paid, self.explore_every, jnp.minimum(2 * st.explore_gap, self.explore_max))
         g_calib = jnp.where(checked, self.calibration_decay, 1.0)

@@ -159,7 +159,7 @@ class SchedulerConfig:
     decay: float = 0.9  # "adaptive": decay of each row's history count when its position is observed
     prior: float = 1.0  # "adaptive": the acceptance assumed of a position with no recent history
     explore_every: int = 8  # "adaptive": verify after this many rounds in a row that verified nothing
-    explore_max: int = 64  # "adaptive": that gap doubles after each verified round that accepted nothing, to this
+    explore_max: int = 64  # "adaptive": that gap doubles after each verified round that did not pay, to this
     margin: float = 0.05  # "adaptive": verify only when the expected tokens/s beat a plain step's by this factor
     calibration_weight: float = 4.0  # "adaptive": pseudo-tokens of the realised/expected acceptance ratio; 0: off
     calibration_decay: float = 0.95  # "adaptive": that ratio's decay per verified round
