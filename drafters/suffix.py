@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafters import register
-from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
+from specdec.drafter import MATCH_CLASS_STARTS, Draft, Drafter, PromptInfo, RoundContext, match_length_class
 
 
 # Finished outputs shorter than this are not added to the global corpus. They carry almost no statistics,
@@ -189,6 +189,8 @@ class SuffixDrafter(Drafter):
     kind = "tree"
     jittable = False
     syncs_from_context = True  # update (and propose) catch up on the committed sequence: ctx is all they read
+    deterministic = True  # counts rank the tokens; nothing is sampled (probs=None)
+    evidence_classes = len(MATCH_CLASS_STARTS)  # the evidence: the chosen tree's match length, as a class
 
     def __init__(self, num_draft_tokens: int, max_match: int = 8, max_depth: int | None = 8,
                  min_score: float = 0.1, use_global: bool = True):
@@ -231,19 +233,20 @@ class SuffixDrafter(Drafter):
                 row.known = n
 
     def draft_row(self, row: _Row, context: Sequence[int]):
-        """(tokens, parents, scores, source) for one row whose committed sequence ends with `context`."""
-        best = ([], [], [], "none")
+        """(tokens, parents, scores, source, match length) for one row whose committed sequence ends with
+        `context`."""
+        best = ([], [], [], "none", 0)
         best_value = 0.0
-        node, _ = stream_match(row.stream, self.max_match)
+        node, length = stream_match(row.stream, self.max_match)
         if node is not None:
             t, p, s = grow_tree(node, self.num_draft_tokens, self.max_depth, self.min_score)
-            best, best_value = (t, p, s, "request"), sum(s)
+            best, best_value = (t, p, s, "request", length), sum(s)
         if self.use_global and self.global_index.num_tokens:
-            node, _ = self.global_index.match(context, self.max_match)
+            node, length = self.global_index.match(context, self.max_match)
             if node is not None:
                 t, p, s = grow_tree(node, self.num_draft_tokens, self.max_depth, self.min_score)
                 if sum(s) > best_value:
-                    best = (t, p, s, "global")
+                    best = (t, p, s, "global", length)
         return best
 
     def propose(self, params, state, ctx: RoundContext, sampling, key):
@@ -254,6 +257,7 @@ class SuffixDrafter(Drafter):
         parents = np.full((batch, n), -1, np.int32)
         valid = np.zeros((batch, n), bool)
         scores = np.zeros((batch, n), np.float32)
+        matched = np.zeros((batch,), np.int32)
         self.last_source = []
         for b, row in enumerate(self._rows):
             if done[b]:
@@ -261,12 +265,14 @@ class SuffixDrafter(Drafter):
                 continue
             end = int(seq_len[b])
             context = seq[b, max(0, end - self.max_match): end].tolist()
-            t, p, s, source = self.draft_row(row, context)
+            t, p, s, source, matched[b] = self.draft_row(row, context)
             k = len(t)
             tokens[b, :k], parents[b, :k], scores[b, :k], valid[b, :k] = t, p, s, True
             self.last_source.append(source)
         self.last_scores = scores
-        return Draft.tree(jnp.asarray(tokens), jnp.asarray(parents), probs=None, valid=jnp.asarray(valid)), state
+        evidence = match_length_class(jnp.asarray(np.where(valid.any(axis=1), matched, 0)))
+        return Draft.tree(jnp.asarray(tokens), jnp.asarray(parents), probs=None, valid=jnp.asarray(valid),
+                          evidence=evidence), state
 
     def update(self, params, state, ctx: RoundContext, result, taps):
         seq, seq_len, done = np.asarray(ctx.seq), np.asarray(ctx.seq_len), np.asarray(ctx.done)

@@ -75,8 +75,8 @@ COST_FILE = "round_costs.json"
 class AdaptiveState:
     """Per-row history (decayed counts, float32 [B, N]), the measured costs and the loop's cost accounting."""
 
-    hits: jax.Array  # position j accepted, in rounds where j was verified and j-1 accepted ("reached")
-    reached: jax.Array
+    hits: jax.Array  # [B, C, N] position j accepted, in rounds of evidence class c where j was verified and j-1
+    reached: jax.Array  # accepted ("reached")
     drafted: jax.Array  # position j drafted (valid), in rounds that drafted
     drafts: jax.Array  # rounds that drafted ([B, 1])
     round_cost: jax.Array  # float32 [K] seconds of a round at widths[k] (k = 0: no draft)
@@ -88,6 +88,7 @@ class AdaptiveState:
     # what the round being verified drafted (set by `refine`, read by `observe`)
     last_drafted_levels: jax.Array  # bool [B, N] depths the drafter proposed, before the width cut
     last_drafted: jax.Array  # bool []
+    last_class: jax.Array  # int32 [B] the draft's evidence class (`Draft.evidence`; 0 without one)
     # accounting over the whole loop (the cost model's prediction, printed next to the measured time)
     width_rounds: jax.Array  # int32 [K] loop iterations per verify width
     skipped_drafts: jax.Array  # int32 [] iterations that skipped the draft
@@ -143,6 +144,11 @@ class AdaptiveWidth:
     # and the ratio, updated only by verified rounds, stays low long after a row's text turns copy-heavy: at
     # batch 1 it cut n-gram's HumanEval tau from 1.35 to 1.13 (session 11), where batch 8 needs it.
     calibration_min_batch: int = 2
+    # Always draft (and let `refine` choose the width from the draft) when a draft costs at most this fraction of
+    # a plain round and `refine` may look at it: prompt lookup (~1% of a round) then verifies its long matches
+    # even after a row's history of short ones said to skip (session 11's rewrite prompt: tau 1.00 where the
+    # fixed width reached 4.25). 0: decide from the history alone.
+    free_draft: float = 0.03
     reprofile: bool = False  # measure the round costs again even if cached
     # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
     # replay a run with another machine's costs, or in tests. None: measure (cached).
@@ -166,6 +172,8 @@ class AdaptiveWidth:
             raise ValueError(f"scheduler.margin must be in [0, 1), got {self.margin!r}")
         if not 0.0 <= self.calibration_decay < 1.0:
             raise ValueError(f"scheduler.calibration_decay must be in [0, 1), got {self.calibration_decay!r}")
+        if not 0.0 <= self.free_draft < 1.0:
+            raise ValueError(f"scheduler.free_draft must be in [0, 1), got {self.free_draft!r}")
         if self.calibration_min_batch < 1:
             raise ValueError(f"scheduler.calibration_min_batch must be >= 1, got {self.calibration_min_batch!r}")
         if self.calibration_weight < 0:
@@ -180,18 +188,20 @@ class AdaptiveWidth:
 
     # -- state -------------------------------------------------------------------------------------------
 
-    def init_state(self, batch: int, num_nodes: int, costs) -> AdaptiveState:
+    def init_state(self, batch: int, num_nodes: int, costs, classes: int = 1) -> AdaptiveState:
+        """A fresh history for `batch` rows, `num_nodes` draft positions and `classes` evidence classes
+        (`Drafter.evidence_classes`), with `costs` = (round_cost per verify width, draft_cost)."""
         round_cost, draft_cost = costs
         k = len(round_cost)
-        def zeros():  # a fresh buffer per field: the loop donates its state, and a buffer can be donated once
-            return jnp.zeros((batch, num_nodes), jnp.float32)
+        def zeros(*shape):  # a fresh buffer per field: the loop donates its state, and a buffer can be donated once
+            return jnp.zeros((batch, *shape, num_nodes), jnp.float32)
 
         return AdaptiveState(
-            hits=zeros(), reached=zeros(), drafted=zeros(), drafts=jnp.zeros((batch, 1), jnp.float32),
+            hits=zeros(classes), reached=zeros(classes), drafted=zeros(), drafts=jnp.zeros((batch, 1), jnp.float32),
             round_cost=jnp.asarray(round_cost, jnp.float32), draft_cost=jnp.asarray(draft_cost, jnp.float32),
             force_plan=jnp.asarray(-1, jnp.int32), force_refine=jnp.asarray(-1, jnp.int32),
             force_valid=jnp.asarray(False), last_drafted_levels=jnp.zeros((batch, num_nodes), bool),
-            last_drafted=jnp.asarray(False),
+            last_drafted=jnp.asarray(False), last_class=jnp.zeros((batch,), jnp.int32),
             width_rounds=jnp.zeros((k,), jnp.int32), skipped_drafts=jnp.zeros((), jnp.int32),
             predicted_seconds=jnp.zeros((), jnp.float32), quiet_rounds=jnp.zeros((), jnp.int32),
             explore_gap=jnp.asarray(self.explore_every, jnp.int32),
@@ -203,20 +213,30 @@ class AdaptiveWidth:
         prior = self.prior if prior is None else prior
         return (num + self.prior_weight * prior) / (den + self.prior_weight)
 
-    def acceptance(self, st: AdaptiveState) -> jax.Array:
-        """P(position j accepted | j verified and j-1 accepted), per row: [B, N]. Position 1's prior is `prior`;
-        a deeper position's prior is the estimate of the position before it, so positions a row never reaches
-        (every draft rejected early) inherit its poor early estimate instead of an optimistic constant."""
-        prior = jnp.full(st.hits.shape[:1], self.prior, jnp.float32)
+    def acceptance(self, st: AdaptiveState, evidence: jax.Array | None = None) -> jax.Array:
+        """P(position j accepted | j verified and j-1 accepted), per row: [B, N], from the row's history in the
+        draft's evidence class `evidence` [B] (None: pooled over the classes, what is known before drafting).
+        Position 1's prior is `prior`; a deeper position's prior is the estimate of the position before it, so
+        positions a row never reaches (every draft rejected early) inherit its poor early estimate instead of
+        an optimistic constant. Each class starts from the optimistic prior, so a row whose open text taught it
+        that one-token matches fail still tries its first 8-token match. (Starting the classes without history
+        from the row's other classes instead cost summarise tau 1.72 -> 1.26 on the quickstart and gained
+        nothing on chat: docs/BENCHMARKS.md session 12.)"""
+        if evidence is None:
+            hits, reached = jnp.sum(st.hits, axis=1), jnp.sum(st.reached, axis=1)
+        else:
+            pick = jax.nn.one_hot(evidence, st.hits.shape[1], dtype=st.hits.dtype)[:, :, None]  # [B, C, 1]
+            hits, reached = jnp.sum(st.hits * pick, axis=1), jnp.sum(st.reached * pick, axis=1)
+        prior = jnp.full(hits.shape[:1], self.prior, jnp.float32)
         rates = []
-        for j in range(st.hits.shape[1]):  # static loop over draft positions
-            prior = self._rate(st.hits[:, j], st.reached[:, j], prior)
+        for j in range(hits.shape[1]):  # static loop over draft positions
+            prior = self._rate(hits[:, j], reached[:, j], prior)
             rates.append(prior)
         return jnp.stack(rates, axis=1)
 
-    def survival(self, st: AdaptiveState) -> jax.Array:
+    def survival(self, st: AdaptiveState, evidence: jax.Array | None = None) -> jax.Array:
         """P(positions 1..j all accepted | drafted), from the conditional estimates: [B, N]."""
-        return jnp.cumprod(self.acceptance(st), axis=1)
+        return jnp.cumprod(self.acceptance(st, evidence), axis=1)
 
     def calibration(self, st: AdaptiveState) -> jax.Array:
         """[N]: realised / expected accepted drafts at each draft position over the recent verified rounds (one
@@ -263,11 +283,18 @@ class AdaptiveWidth:
         accepted = jnp.sum(expected * self.calibration(st)[None, None, :], axis=2)  # [B, K]
         return jnp.sum(jnp.where(active[:, None], 1.0 + accepted, 0.0), axis=0)
 
-    def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool) -> jax.Array:
-        """Index into `widths` to draft for, from the history alone (0: skip the draft)."""
-        n = st.hits.shape[1]
+    def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool,
+             look: bool = False) -> jax.Array:
+        """Index into `widths` to draft for, from the history alone (0: skip the draft). With `look` (`refine`
+        will see the draft: a deterministic draft, or greedy decoding) a draft that costs at most `free_draft`
+        of a plain round is always made: then `refine` chooses from the draft itself (its length, its evidence
+        class), which the history cannot foresee, for next to nothing."""
+        n = st.hits.shape[2]
         value = self._value(st, self._expected_by_width(st, widths), active)
         best = self._best(value, st.round_cost, self._allowed(st, widths, n, tree))
+        if look and self.free_draft > 0:
+            free = st.draft_cost <= self.free_draft * st.round_cost[0]
+            best = jnp.where(free & (best == 0), len(widths) - 1, best)
         return jnp.where(st.force_plan >= 0, st.force_plan, best)
 
     def refine(self, st: AdaptiveState, draft, planned: jax.Array, drafted: jax.Array, widths: tuple[int, ...],
@@ -279,6 +306,8 @@ class AdaptiveWidth:
         n = draft.num_nodes
         w = jnp.asarray(widths, jnp.int32)
         valid = jnp.where(st.force_valid, True, draft.valid)
+        evidence = (jnp.zeros(valid.shape[:1], jnp.int32) if draft.evidence is None
+                    else jnp.clip(draft.evidence, 0, st.hits.shape[1] - 1))
         if tree:  # a valid node's depth does not depend on which other nodes are valid (its ancestors are)
             _, depth = trees.tree_attention(draft.parents, valid)
             drafted_levels = trees.levels_present(draft.valid, depth)
@@ -292,7 +321,8 @@ class AdaptiveWidth:
                 lead = jnp.max(jnp.where(valid, depth[:, 1:], 0), axis=1)
             upto = jnp.minimum(w[None, :], lead[:, None])  # [B, K]
             covered = jnp.arange(n)[None, None, :] < upto[:, :, None]  # [B, K, N]
-            expected = jnp.where(drafted, jnp.where(covered, self.survival(st)[:, None, :], 0.0), expected)
+            survival = self.survival(st, evidence)[:, None, :]
+            expected = jnp.where(drafted, jnp.where(covered, survival, 0.0), expected)
             value = self._value(st, expected, active)
             verify_only = jnp.where(w > 0, st.round_cost - st.draft_cost, st.round_cost)  # the draft is paid
             k = jnp.where(drafted, self._best(value, verify_only, self._allowed(st, widths, n, tree)), planned)
@@ -307,7 +337,7 @@ class AdaptiveWidth:
                          st.round_cost[0])
         any_active = jnp.any(active)
         st = dataclasses.replace(
-            st, last_drafted_levels=drafted_levels & drafted, last_drafted=drafted,
+            st, last_drafted_levels=drafted_levels & drafted, last_drafted=drafted, last_class=evidence,
             width_rounds=st.width_rounds.at[ran].add(any_active.astype(jnp.int32)),
             skipped_drafts=st.skipped_drafts + (any_active & ~drafted).astype(jnp.int32),
             predicted_seconds=st.predicted_seconds + jnp.where(any_active, cost, 0.0),
@@ -328,7 +358,9 @@ class AdaptiveWidth:
         pos = jnp.arange(verified.shape[1])[None, :]
         reached = verified & (pos <= num_accepted[:, None]) & active[:, None]  # j verified and j-1 accepted
         hit = reached & (pos < num_accepted[:, None])
-        g_seen = jnp.where(reached, self.decay, 1.0)
+        in_class = jax.nn.one_hot(st.last_class, st.hits.shape[1], dtype=bool)[:, :, None]  # [B, C, 1]
+        class_reached, class_hit = in_class & reached[:, None, :], in_class & hit[:, None, :]
+        g_seen = jnp.where(class_reached, self.decay, 1.0)
         did = (st.last_drafted & active)[:, None]
         g_drafted = jnp.where(did, self.decay, 1.0)
         # the acceptance model's check: what this round realised against what it was expected to (if verified)
@@ -343,7 +375,7 @@ class AdaptiveWidth:
             realised_accepted=st.realised_accepted + jnp.where(checked, jnp.sum(realised), 0.0),
             calib_expected=g_calib * st.calib_expected + jnp.where(checked, st.round_expected, 0.0),
             calib_realised=g_calib * st.calib_realised + jnp.where(checked, realised, 0.0),
-            hits=g_seen * st.hits + hit, reached=g_seen * st.reached + reached,
+            hits=g_seen * st.hits + class_hit, reached=g_seen * st.reached + class_reached,
             drafted=g_drafted * st.drafted + (did & was_drafted), drafts=g_drafted * st.drafts + did)
 
 

@@ -165,6 +165,7 @@ class SchedulerConfig:
     calibration_decay: float = 0.95  # "adaptive": that ratio's decay per verified round
     calibration_per_position: bool = False  # "adaptive": one ratio per draft position (default: one for the draft)
     calibration_min_batch: int = 2  # "adaptive": calibrate only batches of at least this many rows
+    free_draft: float = 0.03  # "adaptive": always draft when a draft costs at most this fraction of a plain round
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
     reprofile: bool = False  # "adaptive": measure the round costs again even if cached
 
@@ -176,6 +177,7 @@ class SchedulerConfig:
         _require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin!r}")
         _require(self.calibration_weight >= 0, "calibration_weight", f"must be >= 0, got {self.calibration_weight!r}")
         _at_least(self, 1, "calibration_min_batch")
+        _require(0 <= self.free_draft < 1, "free_draft", f"must be in [0, 1), got {self.free_draft!r}")
         _require(0 <= self.calibration_decay < 1, "calibration_decay",
                  f"must be in [0, 1), got {self.calibration_decay!r}")
         _require(self.explore_max >= self.explore_every, "explore_max",

@@ -73,30 +73,40 @@ class Draft:
 
     `valid[b, i]` says the node exists: rows may propose fewer nodes than N. Invalid nodes are never accepted
     (and neither are their descendants, which must be invalid too).
+
+    `evidence[b]` (optional, int32 [B] in [0, Drafter.evidence_classes)) is what the drafter knows about how
+    good this row's draft is, as a class: for prompt lookup, how many tokens the matched context spans (a
+    long match in copy-heavy text is accepted far more often than a one-token match in open chat). The
+    adaptive verify width keeps each row's acceptance history per class (specdec/adaptive.py). It must be a
+    function of the committed context alone, never of this round's random draws: whether a token is verified
+    must not depend on its sampled value.
     """
 
     tokens: jax.Array  # int32 [B, N]
     parents: jax.Array  # int32 [B, N]
     probs: jax.Array | None  # float32 [B, N, V] or None (deterministic draft: q = one-hot at the token)
     valid: jax.Array  # bool [B, N]
+    evidence: jax.Array | None = None  # int32 [B] a class of the draft's expected quality, or None (one class)
 
     @staticmethod
-    def chain(tokens: jax.Array, probs: jax.Array | None = None, valid: jax.Array | None = None) -> "Draft":
+    def chain(tokens: jax.Array, probs: jax.Array | None = None, valid: jax.Array | None = None,
+              evidence: jax.Array | None = None) -> "Draft":
         """A chain draft: node i's parent is node i-1. `valid` defaults to all True."""
         tokens = jnp.asarray(tokens, jnp.int32)
         b, n = tokens.shape
         parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
-        return Draft.tree(tokens, parents, probs, valid)
+        return Draft.tree(tokens, parents, probs, valid, evidence)
 
     @staticmethod
     def tree(tokens: jax.Array, parents: jax.Array, probs: jax.Array | None = None,
-             valid: jax.Array | None = None) -> "Draft":
+             valid: jax.Array | None = None, evidence: jax.Array | None = None) -> "Draft":
         """A tree draft; `parents` may be [N] (one static tree for all rows) or [B, N]."""
         tokens = jnp.asarray(tokens, jnp.int32)
         parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), tokens.shape)
         valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
         probs = None if probs is None else jnp.asarray(probs, jnp.float32)
-        return Draft(tokens=tokens, parents=parents, probs=probs, valid=valid)
+        evidence = None if evidence is None else jnp.asarray(evidence, jnp.int32)
+        return Draft(tokens=tokens, parents=parents, probs=probs, valid=valid, evidence=evidence)
 
     @property
     def batch_size(self) -> int:
@@ -158,6 +168,12 @@ class Drafter:
     # state needs no proposal to stay right. False for drafters whose propose catches up on the committed tokens
     # (draft LMs, EAGLE-3): they draft every round, and a width-0 round verifies none of it.
     skippable: bool = True
+    # True: `propose` returns probs=None (q one-hot) at every temperature, i.e. the draft is a function of the
+    # committed context alone (n-gram, suffix), so the adaptive width may look at it before choosing the width.
+    deterministic: bool = False
+    # Classes of `Draft.evidence` (1: the drafter gives none). The adaptive width keeps one acceptance history
+    # per class and row.
+    evidence_classes: int = 1
     # True (host-side drafters, jittable False): `update` reads only the committed context `ctx` (it catches up
     # on every token committed since its last call), so under the adaptive width the engine may commit a run of
     # width-0 rounds in one compiled call and then call `update` once, with result=None and taps=None.
@@ -213,6 +229,18 @@ class Drafter:
     def describe(self) -> dict:
         """Settings that identify this drafter in results tables."""
         return {"drafter": self.name, "num_draft_tokens": self.num_draft_tokens}
+
+
+# Match lengths (tokens of committed context that a lookup drafter matched) -> `Draft.evidence` classes:
+# 1, 2, 3, 4-7, 8 and more tokens (0 tokens: nothing drafted, class 0 too). Copying a passage of the prompt
+# matches 8+ tokens after its first few words; open text matches 1-3 tokens by chance.
+MATCH_CLASS_STARTS = (1, 2, 3, 4, 8)
+
+
+def match_length_class(length: jax.Array) -> jax.Array:
+    """The evidence class of a match of `length` tokens (any shape; int32)."""
+    starts = jnp.asarray(MATCH_CLASS_STARTS[1:], jnp.int32)
+    return jnp.sum(jnp.asarray(length, jnp.int32)[..., None] >= starts, axis=-1).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------------------------

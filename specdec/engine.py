@@ -104,7 +104,9 @@ def empty_draft(like: Draft) -> Draft:
 
 
 def adaptive_plan(spec: LoopSpec, state: LoopState) -> jax.Array:
-    return spec.scheduler.plan(state.sched, spec.verify_widths, ~state.done, spec.drafter.kind == "tree")
+    # `refine` will see the draft when decoding is greedy or the draft deterministic (see adaptive_refine)
+    look = spec.sampling.greedy or spec.drafter.deterministic
+    return spec.scheduler.plan(state.sched, spec.verify_widths, ~state.done, spec.drafter.kind == "tree", look)
 
 
 def adaptive_refine(spec: LoopSpec, state: LoopState, draft: Draft, planned, drafted) -> tuple[Draft, LoopState]:
@@ -441,17 +443,24 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     tokens, lengths = pad_prompts(prompts, pad)
     capacity = cache_capacity(lengths, max_new_tokens, extra=n + 1)
-    sched = None
-    if adaptive:
-        sched = scheduler.init_state(len(tokens), n, (np.ones(len(widths)), 0.0))
+
+    def blank_sched():  # a fresh state per run: the compiled loop donates its buffers
+        return scheduler.init_state(len(tokens), n, (np.ones(len(widths)), 0.0), drafter.evidence_classes)
+
+    sched = blank_sched() if adaptive else None
     if warmup:
         _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=sched)
-        if not compiled and runs_bursts(spec, drafter):  # compile the width-0 burst too (the rounds above verified)
-            _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled,
-                 sched_state=sched.forced(0, 0))
+        if adaptive:
+            # Run every verify width once (and a draft that verifies nothing, and the width-0 loop or burst): on
+            # XLA:CPU the first execution of a compiled branch costs ~0.2-0.3 s more than later ones, so a width
+            # first chosen in the timed run was billed to it (a 64-token quickstart answer took 0.73 s instead of
+            # 0.20 s; docs/BENCHMARKS.md session 12).
+            for plan, refine in [(k, k) for k in range(len(widths))] + [(len(widths) - 1, 0)]:
+                _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled,
+                     sched_state=blank_sched().forced(plan, refine, valid=True))
     if adaptive:
         costs = round_costs(spec, target, drafter, tokens, lengths, capacity, compiled)
-        sched = scheduler.init_state(len(tokens), n, costs)
+        sched = scheduler.init_state(len(tokens), n, costs, drafter.evidence_classes)
     return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round,
                 sched_state=sched)
 
@@ -475,7 +484,8 @@ def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, length
     fake = np.where(np.isin(fake, list(eos)), (fake + 1) % target.cfg.vocab_size, fake)
 
     def run_forced(plan: int, refine: int) -> float:
-        state = sched.init_state(len(tokens), drafter.num_draft_tokens, (np.ones(len(spec.verify_widths)), 0.0))
+        state = sched.init_state(len(tokens), drafter.num_draft_tokens, (np.ones(len(spec.verify_widths)), 0.0),
+                                 drafter.evidence_classes)
         state = state.forced(plan, refine, valid=True)
         with drafter.profiling():
             out = _run(spec, target, drafter, fake, lengths, capacity, PROFILE_ROUNDS + 1, 0, compiled,

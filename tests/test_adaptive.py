@@ -26,9 +26,16 @@ COSTS_4 = ((1.0, 1.25, 1.6, 1.8), 0.2)
 
 
 def state_with(sched, hits, reached, drafted, drafts, costs):
+    """A state whose history (one evidence class) is the given counts [B, N]."""
     st = sched.init_state(len(hits), len(hits[0]), costs)
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    return dataclasses.replace(st, hits=f(hits), reached=f(reached), drafted=f(drafted), drafts=f(drafts))
+    return dataclasses.replace(st, hits=f(hits)[:, None], reached=f(reached)[:, None], drafted=f(drafted),
+                               drafts=f(drafts))
+
+
+def one_class(counts):
+    """[B, N] history counts as the [B, 1, N] of a drafter without evidence classes."""
+    return jnp.asarray(counts, jnp.float32)[:, None]
 
 
 def test_plan_and_refine_golden():
@@ -76,13 +83,13 @@ def test_observe_counts_reached_and_accepted_positions():
     st = dataclasses.replace(st, last_drafted_levels=draft.valid, last_drafted=jnp.asarray(True))  # a chain
     st = sched.observe(st, draft.valid, jnp.asarray([1, 2]), jnp.asarray([True, True]))
     # row 0 accepted 1 of 3: positions 1-2 reached, 1 hit; row 1 accepted both valid nodes: 1-2 reached and hit
-    assert np.asarray(st.reached).tolist() == [[1, 1, 0], [1, 1, 0]]
-    assert np.asarray(st.hits).tolist() == [[1, 0, 0], [1, 1, 0]]
+    assert np.asarray(st.reached)[:, 0].tolist() == [[1, 1, 0], [1, 1, 0]]
+    assert np.asarray(st.hits)[:, 0].tolist() == [[1, 0, 0], [1, 1, 0]]
     assert np.asarray(st.drafted).tolist() == [[1, 1, 1], [1, 1, 0]]
     st = sched.observe(st, draft.valid, jnp.asarray([0, 0]), jnp.asarray([True, False]))  # row 1 finished: kept
     # row 0 rejected position 1: only position 1 was observed, so only its counts decay
-    assert np.asarray(st.reached).tolist() == [[1.5, 1, 0], [1, 1, 0]]
-    assert np.asarray(st.hits).tolist() == [[0.5, 0, 0], [1, 1, 0]]
+    assert np.asarray(st.reached)[:, 0].tolist() == [[1.5, 1, 0], [1, 1, 0]]
+    assert np.asarray(st.hits)[:, 0].tolist() == [[0.5, 0, 0], [1, 1, 0]]
     assert np.asarray(st.drafted).tolist() == [[1.5, 1.5, 1.5], [1, 1, 0]]
     # a round that verified nothing (the draft skipped) decays nothing
     st = dataclasses.replace(st, last_drafted=jnp.asarray(False))
@@ -127,11 +134,11 @@ def test_calibration_scales_expected_gains_by_realised_over_expected():
     np.testing.assert_allclose(np.asarray(sched.calibration(st))[0], 2.0 / (0.5 * expected + second + 2.0),
                                rtol=1e-6)
     # with the row estimates put back to the optimistic ones, the calibrated plan no longer verifies
-    optimistic = dataclasses.replace(st, hits=jnp.full((2, 3), 9.0), reached=jnp.full((2, 3), 10.0))
+    optimistic = dataclasses.replace(st, hits=one_class(np.full((2, 3), 9.0)), reached=one_class(np.full((2, 3), 10.0)))
     assert int(sched.plan(optimistic, widths, active, tree=False)) == 0
     assert int(AdaptiveWidth(calibration_weight=0).plan(optimistic, widths, active, tree=False)) == 2
     # a single row is not calibrated (calibration_min_batch 2): its own history is its feedback
-    one = jax.tree.map(lambda x: x[:1] if x.ndim == 2 else x, optimistic)
+    one = jax.tree.map(lambda x: x[:1] if x.ndim >= 1 and x.shape[0] == 2 else x, optimistic)  # row 0 alone
     assert np.all(np.asarray(sched.calibration(one)) == 1.0)
     assert int(sched.plan(one, widths, active[:1], tree=False)) == 2
     # a round that verified nothing leaves the calibration alone
@@ -148,7 +155,7 @@ def test_exploration_verifies_after_a_run_of_quiet_rounds():
     sched = AdaptiveWidth(explore_every=3)
     widths = (0, 1, 3)
     st = sched.init_state(1, 3, ((1.0, 1.5, 2.0), 0.1))
-    st = dataclasses.replace(st, hits=jnp.zeros((1, 3)), reached=jnp.full((1, 3), 50.0),
+    st = dataclasses.replace(st, hits=one_class(np.zeros((1, 3))), reached=one_class(np.full((1, 3), 50.0)),
                              drafted=jnp.full((1, 3), 50.0), drafts=jnp.full((1, 1), 50.0))
     active = jnp.asarray([True])
     draft = Draft.chain(jnp.ones((1, 3), jnp.int32))
@@ -163,7 +170,7 @@ def test_exploration_verifies_after_a_run_of_quiet_rounds():
     # a history where, of the widths > 0, the widest would pay best (but width 0 still wins): the exploring
     # round still verifies the narrowest, the cheapest way to learn whether drafts are accepted again
     st = sched.init_state(1, 3, ((1.0, 1.5, 1.6), 0.1))
-    st = dataclasses.replace(st, hits=jnp.full((1, 3), 15.0), reached=jnp.full((1, 3), 50.0),
+    st = dataclasses.replace(st, hits=one_class(np.full((1, 3), 15.0)), reached=one_class(np.full((1, 3), 50.0)),
                              drafted=jnp.full((1, 3), 50.0), drafts=jnp.full((1, 1), 50.0),
                              quiet_rounds=jnp.asarray(3, jnp.int32))
     assert int(sched._best(jnp.asarray([1.0, 1.3, 1.42]), st.round_cost, jnp.asarray([False, True, True]))) == 2
@@ -195,8 +202,8 @@ def test_exploration_backs_off_while_verified_drafts_fail():
                            (0, 1, 3), active, look=False, tree=False)
     assert float(ran3.round_break_even) == 2 * (2.0 / 1.0 - 1.0)
     # the gap is what the plan waits for: 3 quiet rounds do not explore at gap 4, the 4th does
-    st = dataclasses.replace(st, explore_gap=jnp.asarray(4, jnp.int32), hits=jnp.zeros((2, 3)),
-                             reached=jnp.full((2, 3), 50.0), drafted=jnp.full((2, 3), 50.0),
+    st = dataclasses.replace(st, explore_gap=jnp.asarray(4, jnp.int32), hits=one_class(np.zeros((2, 3))),
+                             reached=one_class(np.full((2, 3), 50.0)), drafted=jnp.full((2, 3), 50.0),
                              drafts=jnp.full((2, 1), 50.0))
     plans = []
     for _ in range(5):
@@ -207,6 +214,74 @@ def test_exploration_backs_off_while_verified_drafts_fail():
     assert plans == [0, 0, 0, 0, 1]
     with pytest.raises(ValueError, match="explore_max"):
         AdaptiveWidth(explore_every=8, explore_max=4)
+
+
+def test_history_is_kept_per_evidence_class():
+    """A row whose one-token matches (class 0) always failed skips such drafts, but verifies its first 8-token
+    match (class 4, no history: the optimistic prior); a verified round updates only its own class."""
+    sched = AdaptiveWidth()
+    widths = (0, 1, 3)
+    st = sched.init_state(2, 3, ((1.0, 1.3, 1.6), 0.1), classes=5)
+    hopeless = np.zeros((2, 5, 3), np.float32)
+    hopeless[:, 0] = 50.0  # class 0: reached 50 times, never accepted
+    st = dataclasses.replace(st, hits=jnp.zeros((2, 5, 3)), reached=jnp.asarray(hopeless),
+                             drafted=jnp.full((2, 3), 50.0), drafts=jnp.full((2, 1), 50.0))
+    active = jnp.asarray([True, True])
+    # position 1: class 4 has no history (the optimistic prior, 1), class 0 has 50 rejections; class 2 has no
+    # history either; pooled over the classes, the row looks as hopeless as class 0
+    np.testing.assert_allclose(np.asarray(sched.acceptance(st, jnp.asarray([4, 0])))[:, 0], [1.0, 1 / 51], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(sched.acceptance(st, jnp.asarray([2, 2])))[:, 0], [1.0] * 2, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(sched.acceptance(st))[:, 0], [1 / 51] * 2, rtol=1e-6)
+    # pooled over the classes (the plan, before drafting): as hopeless as class 0
+    assert int(sched.plan(st, widths, active, tree=False)) == 0
+    short = Draft.chain(jnp.ones((2, 3), jnp.int32), evidence=jnp.asarray([0, 0]))
+    cut, st_short = sched.refine(st, short, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
+    assert not np.any(np.asarray(cut.valid))  # drafted, but verifying pays for neither row
+    long_row0 = Draft.chain(jnp.ones((2, 3), jnp.int32), evidence=jnp.asarray([4, 0]))
+    cut, st_long = sched.refine(st, long_row0, jnp.asarray(2), jnp.asarray(True), widths, active, look=True,
+                                tree=False)
+    assert np.asarray(cut.valid).tolist() == [[True] * 3, [True] * 3]  # row 0's long match pays for the round
+    assert np.asarray(st_long.last_class).tolist() == [4, 0]
+    st_long = sched.observe(st_long, cut.valid, jnp.asarray([3, 0]), active)
+    hits, reached = np.asarray(st_long.hits), np.asarray(st_long.reached)
+    assert hits[0, 4].tolist() == [1, 1, 1] and reached[0, 4].tolist() == [1, 1, 1]  # row 0: class 4 only
+    assert np.array_equal(reached[0, :4], hopeless[0, :4]) and not hits[0, :4].any()
+    np.testing.assert_allclose(reached[1, 0], [50 * 0.9 + 1, 50, 50])  # row 1: class 0, position 1 reached
+    assert not reached[1, 1:].any()
+
+
+def test_a_nearly_free_draft_is_always_made_when_refine_can_look():
+    """With a history that says skip, the plan still drafts when the draft costs <= free_draft of a plain round
+    and refine will see it (a deterministic draft or greedy decoding); otherwise it skips."""
+    widths = (0, 1, 3)
+    active = jnp.asarray([True])
+    hopeless = dict(hits=[[0, 0, 0]], reached=[[50, 50, 50]], drafted=[[50, 50, 50]], drafts=[[50]])
+    cheap = state_with(AdaptiveWidth(), **hopeless, costs=((1.0, 1.3, 1.6), 0.02))
+    dear = state_with(AdaptiveWidth(), **hopeless, costs=((1.0, 1.3, 1.6), 0.05))
+    assert int(AdaptiveWidth().plan(cheap, widths, active, tree=False, look=True)) > 0
+    assert int(AdaptiveWidth().plan(cheap, widths, active, tree=False, look=False)) == 0
+    assert int(AdaptiveWidth().plan(dear, widths, active, tree=False, look=True)) == 0
+    assert int(AdaptiveWidth(free_draft=0.0).plan(cheap, widths, active, tree=False, look=True)) == 0
+    with pytest.raises(ValueError, match="free_draft"):
+        AdaptiveWidth(free_draft=1.0)
+
+
+def test_ngram_evidence_is_the_match_length_class():
+    """The n-gram drafter's evidence: how far back its chosen occurrence matches (classes 1, 2, 3, 4-7, 8+)."""
+    target = peaky_target(0)
+    drafter = create_drafter("ngram", target, 3, max_ngram=3)
+    assert drafter.deterministic and drafter.evidence_classes == 5
+    copy = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+    seq = np.zeros((3, 40), np.int32)
+    seq[0, :20] = copy + copy[:9]  # the last 9 tokens repeat the start: an 8+ token match
+    seq[1, :6] = [5, 6, 9, 9, 5, 6]  # the last 2 tokens occurred before: class 1
+    seq[2, :4] = [1, 2, 3, 4]  # no repeat: nothing drafted
+    lengths = jnp.asarray([20, 6, 4], jnp.int32)
+    ctx = engine.RoundContext(seq=jnp.asarray(seq), seq_len=lengths, done=jnp.zeros(3, bool))
+    draft, _ = drafter.propose(drafter.params, (), ctx, SAMPLING, jax.random.PRNGKey(0))
+    assert np.asarray(draft.evidence).tolist() == [4, 1, 0]
+    assert np.asarray(draft.tokens)[0].tolist() == [14, 15, 5] and np.asarray(draft.valid)[0].all()
+    assert np.asarray(draft.tokens)[1].tolist() == [9, 9, 5] and not np.asarray(draft.valid)[2].any()
 
 
 def test_a_width_must_beat_a_plain_step_by_the_margin():
@@ -240,7 +315,9 @@ def test_host_side_drafter_runs_width_0_rounds_in_compiled_bursts(monkeypatch):
 
     monkeypatch.setattr(drafter, "propose", counting_propose)
     monkeypatch.setattr(engine, "host_plain_rounds", counting_burst)
-    costs = ((1.0, 5.0, 5.0, 5.0), 0.0)  # verifying never pays: every round but the explorations is width 0
+    # verifying never pays: every round but the explorations is width 0 (a draft costing 10% of a plain round is
+    # not made for nothing)
+    costs = ((1.0, 5.0, 5.0, 5.0), 0.1)
     out = speculative_generate(target, drafter, PROMPTS, policy="greedy_tree", max_new_tokens=17,
                                scheduler=AdaptiveWidth(costs=costs, explore_every=4))
     assert out.tokens == ar.tokens
@@ -275,6 +352,19 @@ def test_adaptive_greedy_equals_ar_with_rounds_of_every_width():
         assert m.predicted_seconds > 0 and m.verify_widths[0] == 0
 
 
+def test_free_drafts_with_evidence_keep_greedy_equal_to_ar():
+    """A nearly free n-gram draft is made every round and refine picks each width from its length and match
+    class (width 0 included): the output is still AR's."""
+    target = peaky_target(3)
+    ar = generate(target, PROMPTS, max_new_tokens=17)
+    drafter = create_drafter("ngram", target, 4, max_ngram=2)
+    out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=17,
+                               scheduler=AdaptiveWidth(costs=((1.0, 1.25, 1.6, 1.8), 0.01), explore_every=4))
+    assert out.tokens == ar.tokens
+    m = out.metrics
+    assert m.skipped_drafts == 0 and m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, m.width_rounds
+
+
 def test_adaptive_sampled_output_matches_target_distribution():
     """Width chosen per round from the rows' history (rounds that skip and rounds that verify both occur): the
     joint law of 9 generated tokens (T=0.7, top-k, top-p) still equals the target's, for a sampled draft (not
@@ -282,12 +372,15 @@ def test_adaptive_sampled_output_matches_target_distribution():
     steer the width), with the calibration of the acceptance estimates on (self_spec). The exact law and the
     checks are test_engine's."""
     target = distribution_target()
-    costs = ((1.0, 1.3, 2.0), 0.2)  # widths (0, 1, 3) of a 3-node draft
+    costs = ((1.0, 1.3, 2.0), None)  # widths (0, 1, 3) of a 3-node draft; draft costs below
     # The n-gram drafter's first verified round (3,000 rows in one batch) accepts none of the drafts its prior
     # expected, so the calibration (on for self_spec, as by default) would stop it verifying: off for it.
-    for drafter, calibration in ((create_drafter("self_spec", target, 3, num_layers=1), 4.0),
-                                 (create_drafter("ngram", target, 3, max_ngram=1), 0.0)):
-        sched = AdaptiveWidth(costs=costs, explore_every=4, calibration_weight=calibration)
+    # The n-gram drafter twice: deciding from its history, and drafting every round (its draft nearly free)
+    # with refine choosing each width from the draft's length and evidence class.
+    for drafter, calibration, draft_cost in ((create_drafter("self_spec", target, 3, num_layers=1), 4.0, 0.2),
+                                             (create_drafter("ngram", target, 3, max_ngram=1), 0.0, 0.2),
+                                             (create_drafter("ngram", target, 3, max_ngram=1), 0.0, 0.01)):
+        sched = AdaptiveWidth(costs=(costs[0], draft_cost), explore_every=4, calibration_weight=calibration)
         counts, impossible, m = sampled_joint(target, drafter, "rejection_chain", num_samples=3000, scheduler=sched)
         assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (drafter.name, m.width_rounds)
         assert_lossless(counts, impossible, m, num_samples=3000)
