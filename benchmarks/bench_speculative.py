@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import (DEFAULT_DATA, SUBSETS, DrafterSpec, command_line, groups_of,
+from benchmarks.common import (DEFAULT_DATA, QUICKSTART_SUBSETS, SUBSETS, DrafterSpec, command_line, groups_of,
                                load_prompts, run_ar, run_hf_prompt_lookup, run_spec, write_json)
 from drafters import create_drafter
 from specdec import trees
@@ -124,7 +124,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=registry.DEFAULT_MODEL, help="registry name, .gguf path or HF directory")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
-    ap.add_argument("--subsets", nargs="+", default=list(SUBSETS), choices=SUBSETS)
+    ap.add_argument("--subsets", nargs="+", default=list(SUBSETS), choices=SUBSETS + QUICKSTART_SUBSETS,
+                    help="the datasets (default), or the quickstart's built-in prompts by kind (quickstart-rewrite)")
     ap.add_argument("--n", type=int, default=8, help="prompts per subset")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])

@@ -28,12 +28,15 @@ from specdec.adaptive import AdaptiveWidth
 from specdec.engine import speculative_generate
 from specdec.generate import ar_metrics, generate
 from specdec.metrics import merge
+from specdec.prompts import builtin
 from specdec.sampling import GREEDY
 from specdec.target import Target
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = Path(os.environ.get("SPECDEC_DATA", REPO.parent / "shared" / "data"))
 SUBSETS = ("mt_bench", "gsm8k", "humaneval")
+# The quickstart's built-in prompts, one subset per kind (chat, code, math, rewrite, summarise): `quickstart-rewrite`.
+QUICKSTART_SUBSETS = tuple(f"quickstart-{kind}" for kind in dict.fromkeys(k for k, _ in builtin("quickstart")))
 DEFAULT_POLICY = {"chain": "greedy_chain", "tree": "greedy_tree"}
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a Python "
                          "code block.\n\n```python\n{prompt}```")
@@ -55,7 +58,11 @@ def _jsonl(path: Path, n: int) -> list[dict]:
 
 
 def load_prompts(subset: str, n: int, data: Path) -> list[str]:
-    """The first n user messages of a subset (MT-Bench: first turn only)."""
+    """The first n user messages of a subset (MT-Bench: first turn only; `quickstart-<kind>`: the built-in prompts
+    of that kind, which need no data folder)."""
+    if subset in QUICKSTART_SUBSETS:
+        kind = subset.removeprefix("quickstart-")
+        return [text for k, text in builtin("quickstart") if k == kind][:n]
     if subset == "mt_bench":
         return [r["turns"][0] for r in _jsonl(data / "mt_bench" / "question.jsonl", n)]
     if subset == "gsm8k":
@@ -63,7 +70,7 @@ def load_prompts(subset: str, n: int, data: Path) -> list[str]:
     if subset == "humaneval":
         return [HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"])
                 for r in _jsonl(data / "humaneval" / "HumanEval.jsonl", n)]
-    raise ValueError(f"unknown subset {subset!r}; choose from {', '.join(SUBSETS)}")
+    raise ValueError(f"unknown subset {subset!r}; choose from {', '.join(SUBSETS + QUICKSTART_SUBSETS)}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -335,16 +335,36 @@ class AdaptiveWidth:
         ran = jnp.searchsorted(w, last).astype(jnp.int32)  # the bucket the verify step will run
         cost = jnp.where(drafted, jnp.where(ran > 0, st.round_cost[ran], st.draft_cost + st.round_cost[0]),
                          st.round_cost[0])
+        round_expected = jnp.sum(jnp.where(active[:, None], expected[:, k], 0.0), axis=0)
+        st = self._record(st, active, ran, cost, drafted, drafted_levels & drafted, evidence, round_expected)
+        return dataclasses.replace(draft, valid=keep), st
+
+    def skipped(self, st: AdaptiveState, active: jax.Array) -> AdaptiveState:
+        """What `refine` records for a round that skipped the draft, without a draft to refine (the loop of plain
+        decode rounds)."""
+        b, n = st.last_drafted_levels.shape
+        return self._record(st, active, jnp.asarray(0, jnp.int32), st.round_cost[0], jnp.asarray(False),
+                            jnp.zeros((b, n), bool), jnp.zeros((b,), jnp.int32), jnp.zeros((n,), jnp.float32))
+
+    def _record(self, st: AdaptiveState, active, ran, cost, drafted, drafted_levels, evidence,
+                round_expected) -> AdaptiveState:
+        """The state after choosing a round: it runs verify bucket `ran` at predicted `cost` seconds; what was
+        drafted (read by `observe`); the accepted drafts the uncalibrated estimates expect of it [N]."""
         any_active = jnp.any(active)
-        st = dataclasses.replace(
-            st, last_drafted_levels=drafted_levels & drafted, last_drafted=drafted, last_class=evidence,
+        return dataclasses.replace(
+            st, last_drafted_levels=drafted_levels, last_drafted=drafted, last_class=evidence,
             width_rounds=st.width_rounds.at[ran].add(any_active.astype(jnp.int32)),
             skipped_drafts=st.skipped_drafts + (any_active & ~drafted).astype(jnp.int32),
             predicted_seconds=st.predicted_seconds + jnp.where(any_active, cost, 0.0),
             quiet_rounds=jnp.where(ran > 0, 0, st.quiet_rounds + any_active.astype(jnp.int32)),
-            round_expected=jnp.where(ran > 0, jnp.sum(jnp.where(active[:, None], expected[:, k], 0.0), axis=0), 0.0),
+            round_expected=jnp.where(ran > 0, round_expected, 0.0),
             round_break_even=jnp.sum(active) * (st.round_cost[ran] / st.round_cost[0] - 1.0))
-        return dataclasses.replace(draft, valid=keep), st
+
+    def keeps_skipping(self, st: AdaptiveState) -> jax.Array:
+        """Whether a plan of 0 made for `st` still holds after more rounds that skip the draft: those change no
+        history, so only the exploration clock (or a row finishing, which the caller checks) can change it. A
+        forced plan (the cost profile) holds as long as it is forced to 0."""
+        return jnp.where(st.force_plan >= 0, st.force_plan == 0, st.quiet_rounds < st.explore_gap)
 
     def observe(self, st: AdaptiveState, verified: jax.Array, num_accepted: jax.Array,
                 active: jax.Array) -> AdaptiveState:

@@ -203,7 +203,8 @@ class Drafter:
 
     def update(self, params, state, ctx: RoundContext, result, taps) -> Any:
         """Fold the round's outcome into the state. `ctx` is the sequence after committing; `result` the
-        policy's VerifyResult; `taps` [n_taps, B, N+1, H] target hidden states at [root, nodes] (or None)."""
+        policy's VerifyResult; `taps` [n_taps, B, T, H] target hidden states at [root, nodes] (or None): T = N + 1,
+        or 1 in a plain decode round (the adaptive width's width 0, where nothing was drafted)."""
         return state
 
     def profiling(self):

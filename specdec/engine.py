@@ -181,7 +181,8 @@ def bucket_widths(num_draft_tokens: int, buckets) -> tuple[int, ...]:
 def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, mask, need, width: int | None = None):
     """The target's verify forward over [root, nodes]. With `spec.verify_widths`, only the first
     1 + W tokens run, W the smallest width >= `need` (the last valid node of any active row), chosen inside the
-    compiled program by `lax.switch`; logits, taps and new K/V are zero-padded back to N + 1 positions.
+    compiled program by `lax.switch`; logits, taps and new K/V are zero-padded back to N + 1 positions (with a
+    static `width` they keep their 1 + W positions).
     Nothing past W is valid, so no policy accepts (or samples a bonus from) the padding, and the padded K/V rows
     land past every row's committed length (the capacity has room for N + 1). A static `width` runs that
     narrow step directly.
@@ -199,20 +200,22 @@ def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, ma
         return None if x is None else jnp.pad(x, [(0, full - x.shape[axis]) if a == axis else (0, 0)
                                                   for a in range(x.ndim)])
 
-    def branch(width):
+    def branch(width, same_shapes=True):
         t = width + 1
 
         def run(cache):
             out = spec.forward(tparams, spec.cfg, cache, tokens[:, :t], positions[:, :t], mask[:, :t, :t],
                                taps=spec.drafter.taps, **({"write_cache": False} if deferred else {}))
-            out = out._replace(logits=pad(out.logits, 1), hidden=pad(out.hidden, 1), taps=pad(out.taps, 2))
+            if same_shapes:  # the switch's branches must agree; a static width keeps its own 1 + W positions
+                # (at batch 8 padding the logits to N + 1 positions wrote 11 MB of zeros per plain round)
+                out = out._replace(logits=pad(out.logits, 1), hidden=pad(out.hidden, 1), taps=pad(out.taps, 2))
             if deferred:  # new K/V [(L,) B, t, KVH, HD] -> N + 1 rows; the cache itself is not returned
                 return out._replace(cache=None, new_kv=jax.tree.map(lambda x: pad(x, x.ndim - 3), out.new_kv))
             return out
         return run
 
     if width is not None:
-        return branch(width)(cache)
+        return branch(width, same_shapes=False)(cache)
     index = jnp.searchsorted(jnp.asarray(spec.verify_widths, jnp.int32), need.astype(jnp.int32))
     out = jax.lax.switch(index, [branch(w) for w in spec.verify_widths], cache)
     if deferred:
@@ -316,17 +319,20 @@ def plain_round(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, upda
     `update_drafter=False` (host-side drafters, whose update cannot run in a compiled loop): no update; the
     caller updates once after a run of such rounds (`Drafter.syncs_from_context`)."""
     key, _ = jax.random.split(state.key)  # what `propose` would have used: the same stream of keys
-    state = dataclasses.replace(state, key=key)
-    draft, state = adaptive_refine(spec, state, empty_draft(shapes), jnp.asarray(0, jnp.int32), jnp.asarray(False))
-    state, result, taps = verify_and_commit(spec, tparams, state, draft, width=0)
+    state = dataclasses.replace(state, key=key, sched=spec.scheduler.skipped(state.sched, ~state.done))
+    state, result, taps = verify_and_commit(spec, tparams, state, empty_draft(shapes), width=0)
     return update(spec, dparams, state, result, taps) if update_drafter else state
 
 
 def plain_rounds(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, update_drafter: bool = True):
     """Plain decode rounds (`plain_round`) while the adaptive width would skip the draft: as cheap as AR's step
-    (no conditional around the cache), with the rows' history still updated."""
-    skip = lambda s: ~jnp.all(s.done) & (adaptive_plan(spec, s) == 0)  # noqa: E731
-    return jax.lax.while_loop(skip, lambda s: plain_round(spec, tparams, dparams, s, shapes, update_drafter), state)
+    (no conditional around the cache), with the rows' history still updated. The plan is made once: rounds that
+    verify nothing change no row's history, so it holds until the exploration clock runs out or a row finishes
+    (then the loop stops and the next round plans again)."""
+    skipping = ~jnp.all(state.done) & (adaptive_plan(spec, state) == 0)
+    done = state.done
+    more = lambda s: skipping & jnp.all(s.done == done) & spec.scheduler.keeps_skipping(s.sched)  # noqa: E731
+    return jax.lax.while_loop(more, lambda s: plain_round(spec, tparams, dparams, s, shapes, update_drafter), state)
 
 
 def runs_bursts(spec: LoopSpec, drafter: Drafter) -> bool:

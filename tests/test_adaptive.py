@@ -284,6 +284,37 @@ def test_ngram_evidence_is_the_match_length_class():
     assert np.asarray(draft.tokens)[1].tolist() == [9, 9, 5] and not np.asarray(draft.valid)[2].any()
 
 
+def test_the_loop_of_plain_rounds_plans_once():
+    """`plain_rounds` plans once and then runs while `keeps_skipping`: for random histories whose plan is 0, the
+    plan stays 0 after each skipped round exactly as long as `keeps_skipping` says (rounds that verify nothing
+    change no history), and the skipped round is recorded as `refine` records a skipped draft."""
+    rng = np.random.default_rng(0)
+    widths = (0, 1, 3)
+    active = jnp.asarray([True, True])
+    sched = AdaptiveWidth(explore_every=3, explore_max=12)
+    empty = Draft.chain(jnp.zeros((2, 3), jnp.int32), valid=jnp.zeros((2, 3), bool))
+    checked = 0
+    for _ in range(30):
+        reached = rng.uniform(0, 20, (2, 3))
+        st = state_with(sched, reached * rng.uniform(0, 0.6, (2, 3)), reached, rng.uniform(0, 20, (2, 3)),
+                        rng.uniform(10, 20, (2, 1)), ((1.0, 1.3, 1.7), 0.1))
+        st = dataclasses.replace(st, explore_gap=jnp.asarray(int(rng.integers(3, 13)), jnp.int32))
+        if int(sched.plan(st, widths, active, tree=False)) != 0:
+            continue
+        for _ in range(14):
+            assert (int(sched.plan(st, widths, active, tree=False)) == 0) == bool(sched.keeps_skipping(st))
+            _, by_refine = sched.refine(st, empty, jnp.asarray(0), jnp.asarray(False), widths, active, look=True,
+                                        tree=False)
+            st = sched.skipped(st, active)
+            for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(by_refine)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b))
+            checked += 1
+    assert checked > 100
+    # a forced plan (the cost profile) holds while it is forced to 0, whatever the exploration clock says
+    late = dataclasses.replace(st, quiet_rounds=st.explore_gap)
+    assert bool(sched.keeps_skipping(late.forced(0, 0))) and not bool(sched.keeps_skipping(late.forced(1, 1)))
+
+
 def test_a_width_must_beat_a_plain_step_by_the_margin():
     """Position 1 always drafted and accepted with prob 0.6: width 1 yields 1.6 tokens for cost 1.55, i.e. 3%
     more tokens/s than a plain step (1 token, cost 1.0). Without a margin it is chosen; with 5% it is not."""
@@ -407,8 +438,10 @@ def test_round_costs_are_measured_in_the_loop_once_and_cached(tmp_path, monkeypa
 
 
 def test_adaptive_config_and_bad_inputs():
-    s = make_scheduler(SchedulerConfig(kind="adaptive", decay=0.8, prior=0.9))
-    assert isinstance(s, AdaptiveWidth) and s.decay == 0.8 and s.prior == 0.9
+    s = make_scheduler(SchedulerConfig(kind="adaptive", decay=0.8, prior=0.9, free_draft=0.0))
+    assert isinstance(s, AdaptiveWidth) and s.decay == 0.8 and s.prior == 0.9 and s.free_draft == 0.0
+    with pytest.raises(ValueError, match="free_draft"):
+        SchedulerConfig(kind="adaptive", free_draft=-0.1)
     with pytest.raises(ValueError, match="decay"):
         SchedulerConfig(kind="adaptive", decay=1.0)
     with pytest.raises(ValueError, match="prior"):

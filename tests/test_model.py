@@ -104,24 +104,27 @@ def test_tree_masked_verify_equals_separate_chains(target):
 
 def test_deferred_cache_write_equals_writing_first(target):
     """forward(write_cache=False) leaves the cache as it was and returns the new K/V; writing them afterwards
-    (write_new_rows) gives the cache, logits and taps of the usual write-then-attend step (ragged rows, a tree)."""
+    (write_new_rows) gives the cache, logits and taps of the usual write-then-attend step (ragged rows; a tree of
+    4 new tokens, and one new token, whose attention has a form of its own)."""
     rng = np.random.default_rng(4)
     prefix = rng.integers(3, 256, size=(2, 7)).astype(np.int32)
     cache = target.init_cache(2, CAPACITY)
     cache = jit_forward(target)(target.params, target.cfg, cache, jnp.asarray(prefix)).cache
     cache = cache.with_lengths(jnp.array([7, 4], jnp.int32))  # row 1 committed only 4 of its tokens
-    new = jnp.asarray(rng.integers(3, 256, size=(2, 4)).astype(np.int32))
-    mask = jnp.asarray(np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool))
-    positions = cache.lengths[:, None] + jnp.array([0, 1, 1, 2])[None]
+    tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
     step = jax.jit(target.forward, static_argnums=(1,), static_argnames=("taps", "write_cache"))
-    ref = step(target.params, target.cfg, cache, new, positions, mask, taps=(1, 2))
-    out = step(target.params, target.cfg, cache, new, positions, mask, taps=(1, 2), write_cache=False)
-    for a, b in zip(jax.tree.leaves(out.cache), jax.tree.leaves(cache)):
-        assert np.array_equal(a, b)
-    written = transformer.write_new_rows(out.cache, out.new_kv)
-    assert rel_err(out.logits, ref.logits) < 1e-5 and rel_err(out.taps, ref.taps) < 1e-5
-    for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(ref.cache)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for mask, depth in ((tree, [0, 1, 1, 2]), (np.ones((1, 1), bool), [0])):
+        new = jnp.asarray(rng.integers(3, 256, size=(2, len(depth))).astype(np.int32))
+        positions = cache.lengths[:, None] + jnp.array(depth)[None]
+        ref = step(target.params, target.cfg, cache, new, positions, jnp.asarray(mask), taps=(1, 2))
+        out = step(target.params, target.cfg, cache, new, positions, jnp.asarray(mask), taps=(1, 2),
+                   write_cache=False)
+        for a, b in zip(jax.tree.leaves(out.cache), jax.tree.leaves(cache)):
+            assert np.array_equal(a, b)
+        written = transformer.write_new_rows(out.cache, out.new_kv)
+        assert rel_err(out.logits, ref.logits) < 1e-5 and rel_err(out.taps, ref.taps) < 1e-5
+        for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(ref.cache)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_taps_follow_hidden_states_convention(target):

@@ -314,6 +314,8 @@ def attend_with_new(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new:
     b, t, nh, hd = q.shape
     kvh, s = k_cache.shape[1], k_cache.shape[2]
     g = nh // kvh
+    if t == 1:
+        return _attend_one_with_new(q, k_cache, v_cache, k_new, v_new, lengths)
     qm = _query_rows(q, kvh)
     kn = jnp.swapaxes(k_new, 1, 2).astype(k_cache.dtype)  # [B, KVH, T, HD]
     vn = jnp.swapaxes(v_new, 1, 2).astype(v_cache.dtype)
@@ -328,6 +330,27 @@ def attend_with_new(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new:
     out = (jnp.einsum("bkqs,bksd->bkqd", p_old, v_cache, preferred_element_type=jnp.float32)
            + jnp.einsum("bkqu,bkud->bkqd", p_new, vn, preferred_element_type=jnp.float32))
     return _from_query_rows(out, q)
+
+
+def _attend_one_with_new(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                         lengths: jax.Array) -> jax.Array:
+    """`attend_with_new` for one new token per row (the verify switch's width-0 branch, a plain decode step):
+    the cache slots as the products' rows, as in `_attend_one`, plus the token's own key and value."""
+    b, _, nh, hd = q.shape
+    kvh, s = k_cache.shape[1], k_cache.shape[2]
+    qm = q.reshape(b, kvh, nh // kvh, hd)  # query head kvh*G + g is the g-th head of KV head kvh
+    kn = k_new.reshape(b, kvh, 1, hd).astype(k_cache.dtype)
+    vn = v_new.reshape(b, kvh, 1, hd).astype(v_cache.dtype)
+    old = jnp.einsum("bksd,bkgd->bksg", k_cache, qm, preferred_element_type=jnp.float32)  # [B, KVH, S, G]
+    new = jnp.einsum("bkud,bkgd->bkug", kn, qm, preferred_element_type=jnp.float32)  # [B, KVH, 1, G]
+    committed = jnp.arange(s)[None, None, :, None] < lengths[:, None, None, None]
+    scores = jnp.concatenate([jnp.where(committed, old, -1e30), new], axis=2) * (1.0 / math.sqrt(hd))
+    probs = jax.nn.softmax(scores, axis=2)
+    out = (jnp.einsum("bksg,bksd->bkgd", probs[:, :, :s].astype(v_cache.dtype), v_cache,
+                      preferred_element_type=jnp.float32)
+           + jnp.einsum("bkug,bkud->bkgd", probs[:, :, s:].astype(v_cache.dtype), vn,
+                        preferred_element_type=jnp.float32))
+    return out.reshape(b, 1, nh * hd).astype(q.dtype)
 
 
 def project_heads(cfg: ModelConfig, w: dict, x: jax.Array, name: str) -> jax.Array:
