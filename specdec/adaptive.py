@@ -13,7 +13,9 @@ Inputs, both known before the target runs:
   capacity in the specdec cache dir (`round_costs.json`), re-measured on request.
 - P_b: per-row running estimates from that row's own history (exponentially decayed counts, decayed when the
   position is observed, so a row's estimates follow its text): the conditional acceptance of position j given
-  j-1 was accepted, and how often position j is drafted at all (an n-gram miss drafts nothing).
+  j-1 was accepted, and how often position j is drafted at all (an n-gram miss drafts nothing). The acceptance
+  counts are kept per evidence class of the draft (`Draft.evidence`: prompt lookup's and suffix decoding's match
+  length), since an 8-token match is accepted far more often than a one-token one.
 - Calibration: the per-row estimates are checked against what the rounds they chose realised. Each verified
   round records, by draft position, the accepted drafts its estimates expected (summed over active rows,
   uncalibrated) and the ones it accepted; the decayed ratio realised / expected (`calibration`, ratio 1 with
@@ -39,7 +41,8 @@ predicted gain smaller than that is as likely a loss.
 
 Two decisions per round:
 1. `plan`, before drafting, from the history alone: if W = 0 wins, the draft is skipped (drafters whose state
-   needs every proposal, `Drafter.skippable = False`, still draft, and verify nothing).
+   needs every proposal, `Drafter.skippable = False`, still draft, and verify nothing), unless the draft costs at
+   most `free_draft` of a plain round and `refine` will look at it: then it is always made.
 2. `refine`, after drafting, for deterministic drafts (probs=None: n-gram, suffix, top-k trees) or greedy
    decoding: the actual draft lengths replace the drafted-rate estimates and the draft's cost is sunk, so W is
    chosen again (down to 0). For drafts sampled at temperature > 0 the planned W stands.
@@ -73,7 +76,8 @@ COST_FILE = "round_costs.json"
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AdaptiveState:
-    """Per-row history (decayed counts, float32 [B, N]), the measured costs and the loop's cost accounting."""
+    """Per-row history (decayed counts, float32 [B, C, N] by evidence class, or [B, N]), the measured costs and
+    the loop's cost accounting."""
 
     hits: jax.Array  # [B, C, N] position j accepted, in rounds of evidence class c where j was verified and j-1
     reached: jax.Array  # accepted ("reached")
