@@ -1,8 +1,9 @@
 """Prompt lookup / n-gram drafting, in JAX inside the compiled loop.
 
 Find the latest earlier occurrence of the last n committed tokens (n from `max_ngram` down to `min_ngram`)
-and propose the tokens that followed it; report how far back that occurrence matches as the draft's evidence. Deterministic: the draft distribution is one-hot (probs=None),
-which the rejection-sampling policies handle exactly.
+and propose the tokens that followed it; report how far back that occurrence matches as the draft's evidence.
+Deterministic: the draft distribution is one-hot (probs=None), which the rejection-sampling policies handle
+exactly.
 """
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ COST_FILE = "round_costs.json"
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AdaptiveState:
-    """Per-row history (decayed counts, float32 [B, C, N] by evidence class, or [B, N]), the measured costs and
-    the loop's cost accounting."""
+    """Per-row history (decayed counts: acceptance float32 [B, C, N] per evidence class, drafted rates [B, N]),
+    the measured costs and the loop's cost accounting."""
 
     hits: jax.Array  # [B, C, N] position j accepted, in rounds of evidence class c where j was verified and j-1
     reached: jax.Array  # accepted ("reached")

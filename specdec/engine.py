@@ -450,20 +450,19 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     tokens, lengths = pad_prompts(prompts, pad)
     capacity = cache_capacity(lengths, max_new_tokens, extra=n + 1)
 
-    def blank_sched():  # a fresh state per run: the compiled loop donates its buffers
-        return scheduler.init_state(len(tokens), n, (np.ones(len(widths)), 0.0), drafter.evidence_classes)
-
-    sched = blank_sched() if adaptive else None
-    if warmup:
-        _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=sched)
-        if adaptive:
-            # Run every verify width once (and a draft that verifies nothing, and the width-0 loop or burst): on
-            # XLA:CPU the first execution of a compiled branch costs ~0.2-0.3 s more than later ones, so a width
-            # first chosen in the timed run was billed to it (a 64-token quickstart answer took 0.73 s instead of
-            # 0.20 s; docs/BENCHMARKS.md session 12).
-            for plan, refine in [(k, k) for k in range(len(widths))] + [(len(widths) - 1, 0)]:
-                _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled,
-                     sched_state=blank_sched().forced(plan, refine, valid=True))
+    sched = None
+    if warmup and adaptive:
+        # Run every verify width once (and a draft that verifies nothing, and the width-0 loop or burst), which
+        # also compiles the loop: on XLA:CPU the first execution of a compiled branch costs ~0.2-0.3 s more than
+        # later ones, so a width first chosen in the timed run was billed to it (a 64-token quickstart answer
+        # took 0.73 s instead of 0.20 s; docs/BENCHMARKS.md session 12). A fresh state per run: the compiled
+        # loop donates its buffers.
+        for plan, refine in [(k, k) for k in range(len(widths))] + [(len(widths) - 1, 0)]:
+            blank = scheduler.init_state(len(tokens), n, (np.ones(len(widths)), 0.0), drafter.evidence_classes)
+            _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled,
+                 sched_state=blank.forced(plan, refine, valid=True))
+    elif warmup:
+        _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled)
     if adaptive:
         costs = round_costs(spec, target, drafter, tokens, lengths, capacity, compiled)
         sched = scheduler.init_state(len(tokens), n, costs, drafter.evidence_classes)
