@@ -191,6 +191,7 @@ class SuffixDrafter(Drafter):
     syncs_from_context = True  # update (and propose) catch up on the committed sequence: ctx is all they read
     deterministic = True  # counts rank the tokens; nothing is sampled (probs=None)
     evidence_classes = len(MATCH_CLASS_STARTS)  # the evidence: the chosen tree's match length, as a class
+    ordered_tree = True  # best-first: nodes in non-increasing score order, parents first (grow_tree)
 
     def __init__(self, num_draft_tokens: int, max_match: int = 8, max_depth: int | None = 8,
                  min_score: float = 0.1, use_global: bool = True):

@@ -2,10 +2,20 @@
 
 A round at verify width W (draft nodes run through the target; 0 = a plain one-token decode step that skips
 the draft) costs C(W) seconds on this machine, backend, model, batch size and cache capacity, and commits
-1 + (accepted drafts) tokens per row. The adaptive width picks, every round, the W of the engine's verify
-buckets that maximises the expected committed tokens per second over the active rows:
+g_b(W) = 1 + (accepted drafts) tokens to row b, never more than the r_b tokens the row has left. The adaptive
+width picks, every round, the W of the engine's verify buckets that maximises one of two objectives
+(`objective`):
 
-    Theta(W) = sum_b (1 + sum_{j < W} P_b(position j is drafted and accepted)) / C(W)
+    makespan (default):  Theta(W) = min_b E[min(g_b(W), r_b)] / r_b / C(W)    over the active rows
+    throughput:          Theta(W) = sum_b E[min(g_b(W), r_b)] / C(W)
+
+with E[g_b(W)] = 1 + sum_{j < W} P_b(position j is drafted and accepted). `speculative_generate` decodes a
+static batch: it ends when its last row does, so a round is worth what it advances the row that would finish
+last, the one with the most tokens left for its rate (makespan; with one row both objectives agree). Summing
+over the rows (throughput) is the objective of a server that refills finished rows; on a static batch it
+verified drafts accepted by rows that then idled until the slowest finished (GSM8K, batch 8: 141 accepted
+drafts per pass saved 3 of the batch's rounds, 0.91x AR; docs/BENCHMARKS.md session 12). The cap at r_b means
+a row one token from its limit gains nothing from a draft.
 
 Inputs, both known before the target runs:
 - C(W): measured inside the compiled loop itself (`measure_round_costs`: the same program, forced to one width
@@ -153,6 +163,10 @@ class AdaptiveWidth:
     # even after a row's history of short ones said to skip (session 11's rewrite prompt: tau 1.00 where the
     # fixed width reached 4.25). 0: decide from the history alone.
     free_draft: float = 0.03
+    # "makespan": value a round by the progress of the row that would finish last (a static batch, as
+    # `speculative_generate` decodes); "throughput": by the tokens it commits over all rows (a server that refills
+    # finished rows). See the module docstring.
+    objective: str = "makespan"
     reprofile: bool = False  # measure the round costs again even if cached
     # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
     # replay a run with another machine's costs, or in tests. None: measure (cached).
@@ -178,6 +192,8 @@ class AdaptiveWidth:
             raise ValueError(f"scheduler.calibration_decay must be in [0, 1), got {self.calibration_decay!r}")
         if not 0.0 <= self.free_draft < 1.0:
             raise ValueError(f"scheduler.free_draft must be in [0, 1), got {self.free_draft!r}")
+        if self.objective not in ("makespan", "throughput"):
+            raise ValueError(f"scheduler.objective must be 'makespan' or 'throughput', got {self.objective!r}")
         if self.calibration_min_batch < 1:
             raise ValueError(f"scheduler.calibration_min_batch must be >= 1, got {self.calibration_min_batch!r}")
         if self.calibration_weight < 0:
@@ -263,10 +279,11 @@ class AdaptiveWidth:
         theta = theta / jnp.where(jnp.arange(theta.shape[0]) > 0, 1.0 + self.margin, 1.0)
         return jnp.argmax(jnp.where(allowed, theta, -jnp.inf)).astype(jnp.int32)
 
-    def _allowed(self, st: AdaptiveState, widths, num_nodes: int, tree: bool) -> jax.Array:
+    def _allowed(self, st: AdaptiveState, widths, num_nodes: int, tree: bool, ordered: bool) -> jax.Array:
         w = jnp.asarray(widths)
-        # a tree is verified whole or not at all (its node order is not a priority order)
-        allowed = (w == 0) | (w == num_nodes) if tree else jnp.ones(w.shape, bool)
+        # a tree is verified whole or not at all, unless its nodes are in priority order (`ordered`: any prefix
+        # of them is a tree, and the best of its size)
+        allowed = (w == 0) | (w == num_nodes) if tree and not ordered else jnp.ones(w.shape, bool)
         # An exploring round must verify something, and verifies the narrowest width allowed: it is there to
         # learn whether drafts are accepted again, and at batch 8 a wide round costs ~1.5 plain steps where the
         # narrowest costs ~1.1 (every row pays for the batch's exploration). A hit resets the gap and the next
@@ -275,38 +292,50 @@ class AdaptiveWidth:
         narrowest = jnp.min(jnp.where(allowed & (w > 0), w, jnp.iinfo(jnp.int32).max))
         return jnp.where(exploring, allowed & (w == narrowest), allowed)
 
-    def _expected_by_width(self, st: AdaptiveState, widths) -> jax.Array:
+    def _expected_by_width(self, st: AdaptiveState, widths, remaining) -> jax.Array:
         """[B, K, N]: P(position j drafted and accepted) per row, for the positions a verify width of widths[k]
-        covers (0 elsewhere), before drafting and uncalibrated."""
+        covers and the row can still commit (j < r_b - 1: the round's own token comes first), 0 elsewhere;
+        before drafting and uncalibrated."""
         gain = self._rate(st.drafted, st.drafts) * self.survival(st)  # [B, N]
-        covered = jnp.arange(gain.shape[1])[None, :] < jnp.asarray(widths)[:, None]  # [K, N]
-        return jnp.where(covered[None], gain[:, None, :], 0.0)
+        upto = jnp.minimum(jnp.asarray(widths)[None, :], _room(remaining, gain.shape))  # [B, K]
+        covered = jnp.arange(gain.shape[1])[None, None, :] < upto[:, :, None]  # [B, K, N]
+        return jnp.where(covered, gain[:, None, :], 0.0)
 
-    def _value(self, st: AdaptiveState, expected: jax.Array, active: jax.Array) -> jax.Array:
-        """[K]: expected tokens a round commits at each width (calibrated), over the active rows."""
+    def _value(self, st: AdaptiveState, expected: jax.Array, active: jax.Array, remaining) -> jax.Array:
+        """[K]: what a round at each width is worth (calibrated expected tokens; `objective`): the smallest
+        fraction of its remaining tokens it commits to an active row (makespan), or the tokens it commits over
+        the active rows (throughput)."""
         accepted = jnp.sum(expected * self.calibration(st)[None, None, :], axis=2)  # [B, K]
-        return jnp.sum(jnp.where(active[:, None], 1.0 + accepted, 0.0), axis=0)
+        tokens = 1.0 + accepted
+        if self.objective == "throughput":
+            return jnp.sum(jnp.where(active[:, None], tokens, 0.0), axis=0)
+        left = jnp.ones_like(tokens) if remaining is None else jnp.maximum(remaining, 1)[:, None]
+        progress = jnp.min(jnp.where(active[:, None], tokens / left, jnp.inf), axis=0)
+        return jnp.where(jnp.any(active), progress, 1.0)  # no active row: any width (the loop is ending)
 
     def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool,
-             look: bool = False) -> jax.Array:
+             look: bool = False, remaining: jax.Array | None = None, ordered: bool = False) -> jax.Array:
         """Index into `widths` to draft for, from the history alone (0: skip the draft). With `look` (`refine`
         will see the draft: a deterministic draft, or greedy decoding) a draft that costs at most `free_draft`
         of a plain round is always made: then `refine` chooses from the draft itself (its length, its evidence
-        class), which the history cannot foresee, for next to nothing."""
+        class), which the history cannot foresee, for next to nothing. `remaining` int32 [B]: the tokens each
+        row may still commit (None: unbounded). `ordered` (trees): the drafter's nodes are in priority order
+        (`Drafter.ordered_tree`), so a prefix of them may be verified."""
         n = st.hits.shape[2]
-        value = self._value(st, self._expected_by_width(st, widths), active)
-        best = self._best(value, st.round_cost, self._allowed(st, widths, n, tree))
+        value = self._value(st, self._expected_by_width(st, widths, remaining), active, remaining)
+        best = self._best(value, st.round_cost, self._allowed(st, widths, n, tree, ordered))
         if look and self.free_draft > 0:
             free = st.draft_cost <= self.free_draft * st.round_cost[0]
             best = jnp.where(free & (best == 0), len(widths) - 1, best)
         return jnp.where(st.force_plan >= 0, st.force_plan, best)
 
     def refine(self, st: AdaptiveState, draft, planned: jax.Array, drafted: jax.Array, widths: tuple[int, ...],
-               active: jax.Array, look: bool, tree: bool):
+               active: jax.Array, look: bool, tree: bool, remaining: jax.Array | None = None,
+               ordered: bool = False):
         """The draft cut to the round's verify width, and the state recording what this round does.
 
         `drafted`: whether the drafter ran. `look` (static): the draft's lengths may steer the width
-        (deterministic drafts, or greedy decoding)."""
+        (deterministic drafts, or greedy decoding). `remaining`, `ordered`: as in `plan`."""
         n = draft.num_nodes
         w = jnp.asarray(widths, jnp.int32)
         valid = jnp.where(st.force_valid, True, draft.valid)
@@ -318,20 +347,26 @@ class AdaptiveWidth:
         else:
             drafted_levels = draft.valid
         k = planned
-        expected = self._expected_by_width(st, widths)  # [B, K, N] per row and position, uncalibrated
+        expected = self._expected_by_width(st, widths, remaining)  # [B, K, N] per row and position, uncalibrated
         if look:
             lead = jnp.sum(jnp.cumprod(valid.astype(jnp.int32), axis=1), axis=1)  # drafted prefix length [B]
             if tree:  # a tree's value: the levels it reaches, if verified at all
-                lead = jnp.max(jnp.where(valid, depth[:, 1:], 0), axis=1)
-            upto = jnp.minimum(w[None, :], lead[:, None])  # [B, K]
+                levels = jnp.where(valid, depth[:, 1:], 0)  # [B, N]
+                lead = jnp.max(levels, axis=1)
+            upto = jnp.minimum(w[None, :], lead[:, None])  # [B, K] draft positions (levels) each width reaches
+            if tree and ordered:  # a prefix of w nodes reaches the deepest level among them
+                reach = jnp.concatenate([jnp.zeros_like(levels[:, :1]), jax.lax.cummax(levels, axis=1)], axis=1)
+                upto = reach[:, w]  # [B, K]
+            upto = jnp.minimum(upto, _room(remaining, valid.shape))
             covered = jnp.arange(n)[None, None, :] < upto[:, :, None]  # [B, K, N]
             survival = self.survival(st, evidence)[:, None, :]
             expected = jnp.where(drafted, jnp.where(covered, survival, 0.0), expected)
-            value = self._value(st, expected, active)
+            value = self._value(st, expected, active, remaining)
             verify_only = jnp.where(w > 0, st.round_cost - st.draft_cost, st.round_cost)  # the draft is paid
-            k = jnp.where(drafted, self._best(value, verify_only, self._allowed(st, widths, n, tree)), planned)
+            k = jnp.where(drafted, self._best(value, verify_only, self._allowed(st, widths, n, tree, ordered)),
+                          planned)
         k = jnp.where(st.force_refine >= 0, st.force_refine, k)
-        if tree:  # a tree is verified whole or not at all
+        if tree and not ordered:  # a tree is verified whole or not at all
             keep = valid & (w[k] > 0) & drafted
         else:
             keep = valid & (jnp.arange(n)[None, :] < w[k]) & drafted
@@ -364,12 +399,6 @@ class AdaptiveWidth:
             round_expected=jnp.where(ran > 0, round_expected, 0.0),
             round_break_even=jnp.sum(active) * (st.round_cost[ran] / st.round_cost[0] - 1.0))
 
-    def keeps_skipping(self, st: AdaptiveState) -> jax.Array:
-        """Whether a plan of 0 made for `st` still holds after more rounds that skip the draft: those change no
-        history, so only the exploration clock (or a row finishing, which the caller checks) can change it. A
-        forced plan (the cost profile) holds as long as it is forced to 0."""
-        return jnp.where(st.force_plan >= 0, st.force_plan == 0, st.quiet_rounds < st.explore_gap)
-
     def observe(self, st: AdaptiveState, verified: jax.Array, num_accepted: jax.Array,
                 active: jax.Array) -> AdaptiveState:
         """Fold one verified round into each active row's history. `verified` [B, N]: the depths the target
@@ -401,6 +430,14 @@ class AdaptiveWidth:
             calib_realised=g_calib * st.calib_realised + jnp.where(checked, realised, 0.0),
             hits=g_seen * st.hits + class_hit, reached=g_seen * st.reached + class_reached,
             drafted=g_drafted * st.drafted + (did & was_drafted), drafts=g_drafted * st.drafts + did)
+
+
+def _room(remaining, shape) -> jax.Array:
+    """[B, 1]: the draft positions a row can still commit (r_b - 1: the round's own token comes first), or all
+    of them (`remaining` None)."""
+    if remaining is None:
+        return jnp.full((shape[0], 1), shape[1], jnp.int32)
+    return jnp.maximum(remaining - 1, 0)[:, None].astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -166,6 +166,8 @@ class SchedulerConfig:
     calibration_per_position: bool = False  # "adaptive": one ratio per draft position (default: one for the draft)
     calibration_min_batch: int = 2  # "adaptive": calibrate only batches of at least this many rows
     free_draft: float = 0.03  # "adaptive": always draft when a draft costs at most this fraction of a plain round
+    # "adaptive": "makespan" (a static batch ends with its last row) or "throughput" (a server refilling rows)
+    objective: Literal["makespan", "throughput"] = "makespan"
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
     reprofile: bool = False  # "adaptive": measure the round costs again even if cached
 

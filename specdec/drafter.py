@@ -171,6 +171,10 @@ class Drafter:
     # True: `propose` returns probs=None (q one-hot) at every temperature, i.e. the draft is a function of the
     # committed context alone (n-gram, suffix), so the adaptive width may look at it before choosing the width.
     deterministic: bool = False
+    # True (trees): the nodes are in priority order, parents first, so any prefix of them is a tree and the best
+    # one of its size (suffix decoding's best-first tree): the adaptive width may verify a prefix instead of the
+    # whole tree or nothing.
+    ordered_tree: bool = False
     # Classes of `Draft.evidence` (1: the drafter gives none). The adaptive width keeps one acceptance history
     # per class and row.
     evidence_classes: int = 1

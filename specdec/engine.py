@@ -106,7 +106,8 @@ def empty_draft(like: Draft) -> Draft:
 def adaptive_plan(spec: LoopSpec, state: LoopState) -> jax.Array:
     # `refine` will see the draft when decoding is greedy or the draft deterministic (see adaptive_refine)
     look = spec.sampling.greedy or spec.drafter.deterministic
-    return spec.scheduler.plan(state.sched, spec.verify_widths, ~state.done, spec.drafter.kind == "tree", look)
+    return spec.scheduler.plan(state.sched, spec.verify_widths, ~state.done, spec.drafter.kind == "tree", look,
+                               remaining=state.limit - state.num_new, ordered=spec.drafter.ordered_tree)
 
 
 def adaptive_refine(spec: LoopSpec, state: LoopState, draft: Draft, planned, drafted) -> tuple[Draft, LoopState]:
@@ -114,7 +115,8 @@ def adaptive_refine(spec: LoopSpec, state: LoopState, draft: Draft, planned, dra
     # deterministic (probs=None: a function of the committed context, never of this round's random draws).
     look = spec.sampling.greedy or draft.probs is None
     draft, sched = spec.scheduler.refine(state.sched, draft, planned, drafted, spec.verify_widths, ~state.done,
-                                         look, spec.drafter.kind == "tree")
+                                         look, spec.drafter.kind == "tree", remaining=state.limit - state.num_new,
+                                         ordered=spec.drafter.ordered_tree)
     return draft, dataclasses.replace(state, sched=sched)
 
 
@@ -326,12 +328,10 @@ def plain_round(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, upda
 
 def plain_rounds(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, update_drafter: bool = True):
     """Plain decode rounds (`plain_round`) while the adaptive width would skip the draft: as cheap as AR's step
-    (no conditional around the cache), with the rows' history still updated. The plan is made once: rounds that
-    verify nothing change no row's history, so it holds until the exploration clock runs out or a row finishes
-    (then the loop stops and the next round plans again)."""
-    skipping = ~jnp.all(state.done) & (adaptive_plan(spec, state) == 0)
-    done = state.done
-    more = lambda s: skipping & jnp.all(s.done == done) & spec.scheduler.keeps_skipping(s.sched)  # noqa: E731
+    (no conditional around the cache), with the rows' history still updated. The plan is made again before
+    every round, as the loop around it would: a skipped round changes no history, but the rows' remaining
+    tokens (the makespan objective) and the exploration clock move (the plan costs well under a microsecond)."""
+    more = lambda s: ~jnp.all(s.done) & (adaptive_plan(spec, s) == 0)  # noqa: E731
     return jax.lax.while_loop(more, lambda s: plain_round(spec, tparams, dparams, s, shapes, update_drafter), state)
 
 

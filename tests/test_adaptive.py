@@ -39,8 +39,9 @@ def one_class(counts):
 
 
 def test_plan_and_refine_golden():
-    """Row 0 always accepts, row 1 never: Theta(W) = sum_b value_b(W) / cost(W), values by hand."""
-    sched = AdaptiveWidth()
+    """Row 0 always accepts, row 1 never: Theta(W) = sum_b value_b(W) / cost(W) (the throughput objective),
+    values by hand."""
+    sched = AdaptiveWidth(objective="throughput")
     widths = (0, 1, 3)
     hits = [[10, 10, 10], [0, 0, 0]]
     reached = [[10, 10, 10], [10, 0, 0]]
@@ -74,6 +75,68 @@ def test_plan_and_refine_golden():
     cut, st4 = sched.refine(st, full, jnp.asarray(0), jnp.asarray(False), widths, active, look=True, tree=False)
     assert not np.any(np.asarray(cut.valid)) and int(st4.skipped_drafts) == 1
     np.testing.assert_allclose(float(st4.predicted_seconds), 1.0)
+
+
+def test_makespan_values_a_round_by_the_row_that_would_finish_last():
+    """The same two rows under the makespan objective: Theta(W) = min_b E[min(g_b(W), r_b)] / r_b / cost(W).
+    With equal tokens left, the row that never accepts sets the batch's end and drafts do not pay; when it is
+    nearly done, the accepting row is the one that would finish last and the widest width wins; a row with one
+    token left gains nothing from a draft."""
+    sched = AdaptiveWidth()
+    widths, costs = (0, 1, 3), ((1.0, 1.2, 1.5), 0.1)
+    hits, reached = [[10, 10, 10], [0, 0, 0]], [[10, 10, 10], [10, 0, 0]]
+    drafted, drafts = [[10, 10, 10], [10, 10, 10]], [[10], [10]]
+    st = state_with(sched, hits, reached, drafted, drafts, costs)
+    active = jnp.asarray([True, True])
+    r = 1 / 11  # row 1's acceptance at every position (test_plan_and_refine_golden)
+    row1 = [1.0, 1 + r, 1 + r + r ** 2 + r ** 3]
+
+    def theta(left):
+        value = [min((1 + w) / left[0], row1[k] / left[1]) for k, w in enumerate(widths)]
+        return [v / c / (1.0 if k == 0 else 1.05) for k, (v, c) in enumerate(zip(value, costs[0]))]
+
+    for left, expected in (((20, 20), 0), ((20, 5), 2), ((20, 19), 0)):
+        assert int(np.argmax(theta(left))) == expected, (left, theta(left))
+        assert int(sched.plan(st, widths, active, tree=False, remaining=jnp.asarray(left))) == expected, left
+    # one token left in the only active row: no draft position can be committed, so width 0
+    assert int(sched.plan(st, widths, jnp.asarray([True, False]), tree=False, remaining=jnp.asarray([1, 5]))) == 0
+    assert int(sched.plan(st, widths, jnp.asarray([True, False]), tree=False, remaining=jnp.asarray([2, 5]))) == 1
+    # refine cuts by the same rule: row 0 drafted 3 nodes, with 3 tokens left only 2 of them can be committed
+    full = Draft.chain(jnp.ones((2, 3), jnp.int32))
+    cut, _ = sched.refine(st, full, jnp.asarray(2), jnp.asarray(True), widths, jnp.asarray([True, False]),
+                          look=True, tree=False, remaining=jnp.asarray([3, 5]))
+    assert np.asarray(cut.valid)[0].tolist() == [True, True, True]  # width 3 is the bucket that covers 2 nodes
+    cut, _ = sched.refine(st, full, jnp.asarray(2), jnp.asarray(True), widths, jnp.asarray([True, False]),
+                          look=True, tree=False, remaining=jnp.asarray([2, 5]))
+    assert np.asarray(cut.valid)[0].tolist() == [True, False, False]
+    with pytest.raises(ValueError, match="objective"):
+        AdaptiveWidth(objective="latency")
+
+
+def test_an_ordered_tree_may_be_verified_by_prefix():
+    """A best-first tree (`Drafter.ordered_tree`: suffix decoding) may be cut to a prefix of its nodes, valued by
+    the levels the prefix reaches; any other tree is verified whole or not at all. Row history: level 1 always
+    accepted, level 2 never (level 3 inherits it): survival 1, 1/11, 1/121. Tree: nodes at depths 1, 2, 3, 1."""
+    sched = AdaptiveWidth()
+    widths, costs = (0, 1, 2, 4), ((1.0, 1.2, 1.6, 2.2), 0.0)
+    st = state_with(sched, [[10, 0, 0, 0]], [[10, 10, 0, 0]], [[10] * 4], [[10]], costs)
+    tree = Draft.tree(jnp.ones((1, 4), jnp.int32), jnp.asarray([[-1, 0, 1, 0]], jnp.int32))
+    active = jnp.asarray([True])
+    r = 1 / 11
+    # prefixes of 1, 2, 4 nodes reach levels 1, 2, 3: Theta = 1 / 1.0, 2 / 1.2, (2 + r) / 1.6, (2 + r + r^2) / 2.2
+    theta = [1.0, 2 / 1.2 / 1.05, (2 + r) / 1.6 / 1.05, (2 + r + r * r) / 2.2 / 1.05]
+    assert int(np.argmax(theta)) == 1
+    cut, st_ordered = sched.refine(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=True,
+                                   ordered=True)
+    assert np.asarray(cut.valid).tolist() == [[True, False, False, False]]
+    assert np.asarray(st_ordered.width_rounds).tolist() == [0, 1, 0, 0]
+    # the same tree, not in priority order: whole (theta[3] < 1) or nothing, so nothing
+    cut, st_whole = sched.refine(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=True)
+    assert not np.any(np.asarray(cut.valid)) and np.asarray(st_whole.width_rounds).tolist() == [1, 0, 0, 0]
+    # exploring, an ordered tree verifies its narrowest prefix, any other tree the whole tree
+    quiet = dataclasses.replace(st, quiet_rounds=jnp.asarray(99, jnp.int32))
+    assert int(sched.plan(quiet, widths, active, tree=True, ordered=True)) == 1
+    assert int(sched.plan(quiet, widths, active, tree=True)) == 3
 
 
 def test_observe_counts_reached_and_accepted_positions():
@@ -218,8 +281,9 @@ def test_exploration_backs_off_while_verified_drafts_fail():
 
 def test_history_is_kept_per_evidence_class():
     """A row whose one-token matches (class 0) always failed skips such drafts, but verifies its first 8-token
-    match (class 4, no history: the optimistic prior); a verified round updates only its own class."""
-    sched = AdaptiveWidth()
+    match (class 4, no history: the optimistic prior); a verified round updates only its own class (the
+    throughput objective: row 1's hopeless draft rides along in the round row 0's long match pays for)."""
+    sched = AdaptiveWidth(objective="throughput")
     widths = (0, 1, 3)
     st = sched.init_state(2, 3, ((1.0, 1.3, 1.6), 0.1), classes=5)
     hopeless = np.zeros((2, 5, 3), np.float32)
@@ -284,35 +348,28 @@ def test_ngram_evidence_is_the_match_length_class():
     assert np.asarray(draft.tokens)[1].tolist() == [9, 9, 5] and not np.asarray(draft.valid)[2].any()
 
 
-def test_the_loop_of_plain_rounds_plans_once():
-    """`plain_rounds` plans once and then runs while `keeps_skipping`: for random histories whose plan is 0, the
-    plan stays 0 after each skipped round exactly as long as `keeps_skipping` says (rounds that verify nothing
-    change no history), and the skipped round is recorded as `refine` records a skipped draft."""
+def test_a_skipped_round_is_recorded_as_refine_records_a_skipped_draft():
+    """`plain_rounds` records each of its rounds with `skipped`, without a draft to refine: for random histories
+    and remaining tokens, the state after it equals the state after refining an empty draft planned at 0, round
+    after round (both objectives)."""
     rng = np.random.default_rng(0)
     widths = (0, 1, 3)
     active = jnp.asarray([True, True])
-    sched = AdaptiveWidth(explore_every=3, explore_max=12)
     empty = Draft.chain(jnp.zeros((2, 3), jnp.int32), valid=jnp.zeros((2, 3), bool))
-    checked = 0
-    for _ in range(30):
-        reached = rng.uniform(0, 20, (2, 3))
-        st = state_with(sched, reached * rng.uniform(0, 0.6, (2, 3)), reached, rng.uniform(0, 20, (2, 3)),
-                        rng.uniform(10, 20, (2, 1)), ((1.0, 1.3, 1.7), 0.1))
-        st = dataclasses.replace(st, explore_gap=jnp.asarray(int(rng.integers(3, 13)), jnp.int32))
-        if int(sched.plan(st, widths, active, tree=False)) != 0:
-            continue
-        for _ in range(14):
-            assert (int(sched.plan(st, widths, active, tree=False)) == 0) == bool(sched.keeps_skipping(st))
-            _, by_refine = sched.refine(st, empty, jnp.asarray(0), jnp.asarray(False), widths, active, look=True,
-                                        tree=False)
-            st = sched.skipped(st, active)
-            for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(by_refine)):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b))
-            checked += 1
-    assert checked > 100
-    # a forced plan (the cost profile) holds while it is forced to 0, whatever the exploration clock says
-    late = dataclasses.replace(st, quiet_rounds=st.explore_gap)
-    assert bool(sched.keeps_skipping(late.forced(0, 0))) and not bool(sched.keeps_skipping(late.forced(1, 1)))
+    for objective in ("makespan", "throughput"):
+        sched = AdaptiveWidth(explore_every=3, explore_max=12, objective=objective)
+        for _ in range(10):
+            reached = rng.uniform(0, 20, (2, 3))
+            st = state_with(sched, reached * rng.uniform(0, 0.6, (2, 3)), reached, rng.uniform(0, 20, (2, 3)),
+                            rng.uniform(10, 20, (2, 1)), ((1.0, 1.3, 1.7), 0.1))
+            remaining = jnp.asarray(rng.integers(1, 40, 2), jnp.int32)
+            for _ in range(5):
+                _, by_refine = sched.refine(st, empty, jnp.asarray(0), jnp.asarray(False), widths, active,
+                                            look=True, tree=False, remaining=remaining)
+                st = sched.skipped(st, active)
+                for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(by_refine)):
+                    np.testing.assert_allclose(np.asarray(a), np.asarray(b))
+                remaining = remaining - 1
 
 
 def test_a_width_must_beat_a_plain_step_by_the_margin():
@@ -381,6 +438,8 @@ def test_adaptive_greedy_equals_ar_with_rounds_of_every_width():
         assert sum(m.width_rounds) >= m.rounds / len(PROMPTS)  # loop iterations >= a row's mean rounds
         assert (m.skipped_drafts > 0) == drafter.skippable, (name, m.skipped_drafts)  # others draft, verify 0
         assert m.predicted_seconds > 0 and m.verify_widths[0] == 0
+        if drafter.ordered_tree:  # a best-first tree is verified by prefix too, not only whole
+            assert sum(m.width_rounds[1:-1]) > 0, (name, m.width_rounds)
 
 
 def test_free_drafts_with_evidence_keep_greedy_equal_to_ar():
@@ -411,7 +470,10 @@ def test_adaptive_sampled_output_matches_target_distribution():
     for drafter, calibration, draft_cost in ((create_drafter("self_spec", target, 3, num_layers=1), 4.0, 0.2),
                                              (create_drafter("ngram", target, 3, max_ngram=1), 0.0, 0.2),
                                              (create_drafter("ngram", target, 3, max_ngram=1), 0.0, 0.01)):
-        sched = AdaptiveWidth(costs=(costs[0], draft_cost), explore_every=4, calibration_weight=calibration)
+        # throughput: with 3,000 rows in one batch, the makespan objective (the worst row) would verify only
+        # exploring rounds; its decisions, too, depend only on the past (the history and tokens left)
+        sched = AdaptiveWidth(costs=(costs[0], draft_cost), explore_every=4, calibration_weight=calibration,
+                              objective="throughput")
         counts, impossible, m = sampled_joint(target, drafter, "rejection_chain", num_samples=3000, scheduler=sched)
         assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (drafter.name, m.width_rounds)
         assert_lossless(counts, impossible, m, num_samples=3000)
