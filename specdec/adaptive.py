@@ -55,10 +55,13 @@ Two decisions per round:
    most `free_draft` of a plain round and `refine` will look at it: then it is always made.
 2. `refine`, after drafting, for deterministic drafts (probs=None: n-gram, suffix, top-k trees) or greedy
    decoding: the actual draft lengths replace the drafted-rate estimates and the draft's cost is sunk, so W is
-   chosen again (down to 0). For drafts sampled at temperature > 0 the planned W stands.
+   chosen again (down to 0). For drafts sampled at temperature > 0 the planned W stands. A tree is verified
+   whole or not at all, unless its nodes are in priority order (`Drafter.ordered_tree`: suffix decoding's
+   best-first tree), which may be cut to a prefix valued by the levels it reaches.
 
-Why this is lossless: whether draft position j is verified depends only on the past (history counts and the
-calibration, both from rounds already committed), the machine's costs and, in `refine`, on draft lengths that
+Why this is lossless: whether draft position j is verified depends only on the past (history counts, the
+calibration and the tokens each row has left, all from rounds already committed), the machine's costs and, in
+`refine`, on draft lengths and tree shapes that
 are deterministic functions of the committed context. It never depends on the sampled value of a draft token,
 so rejection sampling stays exact (the DSpark paper's appendix A shows what goes wrong otherwise;
 specdec/scheduling.py). Under greedy decoding any choice is exact.
