@@ -352,14 +352,17 @@ class AdaptiveWidth:
         k = planned
         expected = self._expected_by_width(st, widths, remaining)  # [B, K, N] per row and position, uncalibrated
         if look:
-            lead = jnp.sum(jnp.cumprod(valid.astype(jnp.int32), axis=1), axis=1)  # drafted prefix length [B]
-            if tree:  # a tree's value: the levels it reaches, if verified at all
+            # [B, K]: the draft positions (tree levels) a round at each width reaches
+            if not tree:  # the drafted prefix, cut to the width
+                lead = jnp.sum(jnp.cumprod(valid.astype(jnp.int32), axis=1), axis=1)
+                upto = jnp.minimum(w[None, :], lead[:, None])
+            elif ordered:  # a prefix of w nodes reaches the deepest level among them
                 levels = jnp.where(valid, depth[:, 1:], 0)  # [B, N]
-                lead = jnp.max(levels, axis=1)
-            upto = jnp.minimum(w[None, :], lead[:, None])  # [B, K] draft positions (levels) each width reaches
-            if tree and ordered:  # a prefix of w nodes reaches the deepest level among them
                 reach = jnp.concatenate([jnp.zeros_like(levels[:, :1]), jax.lax.cummax(levels, axis=1)], axis=1)
-                upto = reach[:, w]  # [B, K]
+                upto = reach[:, w]
+            else:  # the whole tree: the levels it reaches, if verified at all
+                lead = jnp.max(jnp.where(valid, depth[:, 1:], 0), axis=1)
+                upto = jnp.minimum(w[None, :], lead[:, None])
             upto = jnp.minimum(upto, _room(remaining, valid.shape))
             covered = jnp.arange(n)[None, None, :] < upto[:, :, None]  # [B, K, N]
             survival = self.survival(st, evidence)[:, None, :]
