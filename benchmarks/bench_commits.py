@@ -3,7 +3,8 @@
 For changes that must not slow anything down (a refactor): each commit is checked out into its own worktree
 (under --trees, kept for reuse) and a probe process imports that commit's specdec (PYTHONPATH = the worktree)
 and times, after a warm-up call each:
-  * the bare target step, one token per row (`target.forward`, donated cache) at batch 1 and 8;
+  * the bare target step (`target.forward`, donated cache): one token per row at batch 1 and 8, and 2 / 4 / 8
+    tokens per row at batch 1 (4 at batch 8), the cost of a verify round against a decode step;
   * greedy AR (`specdec.generate.generate`) on 4 chat prompts at batch 1 and as one batch of 8;
   * greedy speculative decoding with the n-gram drafter at a fixed width (`speculative_generate`, no adaptive
     width, so no cost profile enters) on the same prompts and batches; its tokens must equal AR's;
@@ -77,6 +78,10 @@ def hlo_fingerprint(target) -> str:
     return digest.hexdigest()[:16]
 
 
+# (batch, tokens per row) of the bare steps timed: decode at batch 1 and 8, and verify widths at batch 1
+STEP_SHAPES = ((1, 1), (1, 2), (1, 4), (1, 8), (8, 1), (8, 4))
+
+
 def probe(new_tokens: int, steps: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -95,22 +100,23 @@ def probe(new_tokens: int, steps: int) -> dict:
            "step_hlo": hlo_fingerprint(target)}
 
     start = 128
-    for batch in (1, 8):  # the bare one-token step (fed its own argmax), cache of 512 slots filled to ~128
+    for batch, width in STEP_SHAPES:  # the bare step, T tokens per row (fed its own argmax), cache 512 filled to ~128
         def step(params, cache, tokens):
             out_ = target.forward(params, target.cfg, cache, tokens)
             cache = out_.cache.advance(1)
             cache = cache.with_lengths(jnp.where(cache.lengths >= start + 64, start, cache.lengths))
-            return jnp.argmax(out_.logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache
+            best = jnp.argmax(out_.logits[:, -1], axis=-1).astype(jnp.int32)
+            return jnp.broadcast_to(best[:, None], tokens.shape), cache
 
         step = jax.jit(step, donate_argnums=(1,))
         state = {"cache": target.init_cache(batch, 512).with_lengths(jnp.full((batch,), start, jnp.int32)),
-                 "tokens": jnp.zeros((batch, 1), jnp.int32)}
+                 "tokens": jnp.zeros((batch, width), jnp.int32)}
 
         def one():
             state["tokens"], state["cache"] = step(target.params, state["cache"], state["tokens"])
             return state["tokens"]
 
-        out[f"step_ms_b{batch}"] = 1e3 * _timed(one, steps)
+        out[f"step_ms_b{batch}_t{width}"] = 1e3 * _timed(one, steps)
 
     drafter = create_drafter("ngram", target, 3, max_ngram=3)
     for batch, groups in ((1, [[p] for p in prompts]), (8, [prompts + prompts])):
