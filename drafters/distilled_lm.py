@@ -66,7 +66,7 @@ class DistilledLMTask(T.TrainTask):
 
     def init(self, key, token_counts):
         if self.init_from == "target":
-            tp = transformer.stack_layers(self.target.params)
+            tp = transformer.stack_layers(self.target.params)  # the standard layout, whatever the backend's
             params = {k: v for k, v in tp.items() if k != "layers"}
             params["layers"] = {k: v[: self.dcfg.num_layers] for k, v in tp["layers"].items()}
         else:

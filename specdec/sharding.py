@@ -225,7 +225,9 @@ def shard_target(target: Target, mesh: Mesh) -> ShardedTarget:
         raise ShardingError("model.backend: the megakernel backend is one chip's Pallas program and is not sharded; "
                             "use backend 'scan' or 'reference' with a multi-device mesh")
     check_model_axis(target.cfg, mesh.shape[MODEL])
-    params = jax.device_put(target.params, named(mesh, param_specs(target.params)))
+    # back to separate [in, out] matrices: a contiguous block of the fused q|k|v rows is not a block of whole heads
+    params = transformer.standard_layers(target.params)
+    params = jax.device_put(params, named(mesh, param_specs(params)))
     return ShardedTarget(cfg=target.cfg, params=params, tokenizer=target.tokenizer, backend=target.backend, mesh=mesh)
 
 

@@ -1,7 +1,8 @@
 """The target model as the engine sees it: weights in a backend's layout plus one step function.
 
 Backends share one signature (that of `specdec.models.transformer.forward`):
-  reference   plain JAX; per-layer weights walked unrolled (fastest on XLA:CPU, also the GPU path)
+  reference   plain JAX; per-layer weights walked unrolled, q|k|v and gate|up fused, stored [out, in]
+              (`transformer.fuse_layers`: fastest on XLA:CPU, also the GPU path)
   scan        plain JAX; stacked weights walked with lax.scan (small programs, the layout meshes shard)
   megakernel  Pallas TPU kernel, all layers in one program (interpret mode on CPU)
 """
@@ -36,7 +37,7 @@ class Backend:
 
 def get_backend(name: str) -> Backend:
     if name == "reference":
-        return Backend("reference", False, transformer.forward)
+        return Backend("reference", False, transformer.forward, lambda p, cfg: transformer.fuse_layers(p))
     if name == "scan":
         return Backend("scan", True, transformer.forward)
     if name == "megakernel":
@@ -73,7 +74,9 @@ class Target:
         """The lm_head as [H, V] (the transposed embedding when the model ties them): what drafters that share
         or start from the target's head take (the step itself applies it in `transformer.final_logits`)."""
         p = self.params
-        return jnp.asarray(p["embed"]).T if self.cfg.tie_word_embeddings else jnp.asarray(p["lm_head"])
+        if self.cfg.tie_word_embeddings:
+            return jnp.asarray(p["embed"]).T
+        return jnp.asarray(p["lm_head_t"]).T if "lm_head_t" in p else jnp.asarray(p["lm_head"])
 
     def init_cache(self, batch_size: int, capacity: int) -> transformer.KVCache:
         return transformer.init_cache(self.cfg, batch_size, capacity, stacked=self.backend.stacked)

@@ -12,6 +12,12 @@ layers and a mesh can shard them. XLA:CPU runs a Python-unrolled walk over per-l
 faster than a scan (the scan copies each layer's weight slice every step; see docs/BENCHMARKS.md), so the
 reference backend also accepts `params["layers"]` as a tuple of per-layer dicts (`unstack_layers`). The
 function below handles both; which one a target uses is decided once, when it is built.
+
+The reference backend goes one step further (`fuse_layers`, run once when its target is built): each layer's
+q|k|v and gate|up weights are concatenated into one matrix, and every layer matrix (and an untied lm_head) is
+stored [out, in]. Small products (decode and verify: a few rows) then run as `W @ x^T` (`dense_t`), which
+XLA:CPU streams 1.3-2.5x faster than `x @ W` at 1-8 rows (docs/BENCHMARKS.md, session 14). `standard_layers`
+converts back; `forward` accepts every layout.
 """
 
 from __future__ import annotations
@@ -77,12 +83,84 @@ def unstack_layers(params: Params) -> Params:
 
 
 def stack_layers(params: Params) -> Params:
-    """Tuple of per-layer dicts -> stacked layout (for scan, the megakernel and sharding)."""
+    """Tuple of per-layer dicts (standard or fused) -> stacked standard layout (for scan, the megakernel and
+    sharding)."""
+    params = standard_layers(params)
     layers = params["layers"]
     if isinstance(layers, dict):
         return params
     stacked = {k: jnp.stack([layer[k] for layer in layers]) for k in layers[0]}
     return {**params, "layers": stacked}
+
+
+FUSED_KEYS = ("wqkv_t", "wo_t", "w_gate_up_t", "w_down_t")  # [out, in] each; "bqkv" with attention biases
+
+
+def is_fused(layer: dict) -> bool:
+    return "wqkv_t" in layer
+
+
+def fuse_layers(params: Params) -> Params:
+    """Any layout -> per-layer dicts with q|k|v and gate|up fused and every matrix stored [out, in] (an untied
+    lm_head too, as "lm_head_t" [V, H]): the reference backend's layout, the fastest on XLA:CPU."""
+    params = unstack_layers(params)
+
+    def fuse(w: dict) -> dict:
+        if is_fused(w):
+            return w
+        out = {k: v for k, v in w.items() if k not in LAYER_KEYS + BIAS_KEYS or k.endswith("norm")}
+        out["wqkv_t"] = jnp.concatenate([w["wq"], w["wk"], w["wv"]], axis=1).T
+        out["wo_t"] = w["wo"].T
+        out["w_gate_up_t"] = jnp.concatenate([w["w_gate"], w["w_up"]], axis=1).T
+        out["w_down_t"] = w["w_down"].T
+        if "bq" in w:
+            out["bqkv"] = jnp.concatenate([w["bq"], w["bk"], w["bv"]])
+        return out
+
+    fused = {k: v for k, v in params.items() if k not in ("layers", "lm_head")}
+    if "lm_head" in params:
+        fused["lm_head_t"] = params["lm_head"].T
+    fused["layers"] = tuple(fuse(w) for w in params["layers"])
+    return fused
+
+
+def standard_layers(params: Params) -> Params:
+    """The inverse of `fuse_layers` (per-layer dicts, [in, out] matrices, an [H, V] lm_head); any other layout
+    is returned as it is."""
+    layers = params["layers"]
+    if isinstance(layers, dict) or not is_fused(layers[0]):
+        return params
+
+    def split(w: dict) -> dict:
+        q, kv, f = w["wo_t"].shape[1], (w["wqkv_t"].shape[0] - w["wo_t"].shape[1]) // 2, w["w_down_t"].shape[1]
+        out = {k: v for k, v in w.items() if k not in FUSED_KEYS + ("bqkv",)}
+        wq, wk, wv = jnp.split(w["wqkv_t"].T, [q, q + kv], axis=1)
+        gate, up = jnp.split(w["w_gate_up_t"].T, [f], axis=1)
+        out.update(wq=wq, wk=wk, wv=wv, wo=w["wo_t"].T, w_gate=gate, w_up=up, w_down=w["w_down_t"].T)
+        if "bqkv" in w:
+            out.update(zip(BIAS_KEYS, jnp.split(w["bqkv"], [q, q + kv])))
+        return out
+
+    standard = {k: v for k, v in params.items() if k not in ("layers", "lm_head_t")}
+    if "lm_head_t" in params:
+        standard["lm_head"] = params["lm_head_t"].T
+    standard["layers"] = tuple(split(w) for w in layers)
+    return standard
+
+
+# A product with at most this many rows (decode, verify) runs as W @ x^T, more rows (prefill, training) as
+# x @ W^T: at 1-8 rows XLA:CPU streams [out, in] weights 1.3-2.5x faster the first way, from 16 rows on the
+# second way is as fast or faster (docs/BENCHMARKS.md, session 14).
+SKINNY_ROWS = 8
+
+
+def dense_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., in] times a weight stored [out, in]: [..., out]."""
+    rows = math.prod(x.shape[:-1])
+    if rows <= SKINNY_ROWS:
+        y = jnp.einsum("oi,ni->on", w_t, x.reshape(rows, x.shape[-1]), preferred_element_type=out_dtype)
+        return y.T.reshape(x.shape[:-1] + (w_t.shape[0],))
+    return jnp.einsum("...i,oi->...o", x, w_t, preferred_element_type=out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -354,13 +432,18 @@ def _attend_one_with_new(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k
 
 
 def project_heads(cfg: ModelConfig, w: dict, x: jax.Array, name: str) -> jax.Array:
-    """One attention projection of a layer, `name` "q", "k" or "v": x [..., H] @ w{name} (+ b{name}) split
-    into heads [..., heads, HD], per-head RMSNorm'd for q and k when the config has qk-norm; not yet RoPE'd.
-    Shared with the draft layers of drafters/dflash.py, which project other inputs (its context features)
-    with the same weights."""
+    """One attention projection of a layer in the standard layout, `name` "q", "k" or "v": x [..., H] @ w{name}
+    (+ b{name}) split into heads [..., heads, HD], per-head RMSNorm'd for q and k when the config has qk-norm;
+    not yet RoPE'd. Shared with the draft layers of drafters/dflash.py, which project other inputs (its context
+    features) with the same weights."""
     y = x @ w[f"w{name}"]
     if cfg.attention_bias:
         y = y + w[f"b{name}"]
+    return _heads(cfg, y, name, w)
+
+
+def _heads(cfg: ModelConfig, y: jax.Array, name: str, w: dict) -> jax.Array:
+    """A projection [..., heads * HD] -> [..., heads, HD], q and k per-head RMSNorm'd under qk-norm."""
     heads = cfg.num_heads if name == "q" else cfg.num_kv_heads
     y = y.reshape(y.shape[:-1] + (heads, cfg.head_dim))
     if cfg.qk_norm and name != "v":
@@ -368,9 +451,29 @@ def project_heads(cfg: ModelConfig, w: dict, x: jax.Array, name: str) -> jax.Arr
     return y
 
 
+def qkv_heads(cfg: ModelConfig, w: dict, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [..., NH, HD], k and v [..., KVH, HD] of the normed residual stream h, in either layer layout (the
+    fused one runs a single product)."""
+    if not is_fused(w):
+        return tuple(project_heads(cfg, w, h, name) for name in "qkv")
+    y = dense_t(h, w["wqkv_t"])
+    if cfg.attention_bias:
+        y = y + w["bqkv"]
+    parts = jnp.split(y, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    return tuple(_heads(cfg, part, name, w) for part, name in zip(parts, "qkv"))
+
+
+def attention_output(w: dict, a: jax.Array) -> jax.Array:
+    """The attention output projection of a layer, either layout."""
+    return dense_t(a, w["wo_t"]) if is_fused(w) else a @ w["wo"]
+
+
 def mlp(w: dict, h: jax.Array) -> jax.Array:
-    """A layer's SwiGLU MLP on the normed residual stream h [..., H]."""
-    return (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+    """A layer's SwiGLU MLP on the normed residual stream h [..., H], either layout."""
+    if not is_fused(w):
+        return (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+    gate, up = jnp.split(dense_t(h, w["w_gate_up_t"]), 2, axis=-1)
+    return dense_t(jax.nn.silu(gate) * up, w["w_down_t"])
 
 
 def decoder_layer(cfg: ModelConfig, w: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -382,15 +485,15 @@ def decoder_layer(cfg: ModelConfig, w: dict, x: jax.Array, k_cache: jax.Array, v
     With `tree_mask` [B, T, T] the cache is only read (`attend_with_new`) and the new K/V [B, T, KVH, HD]
     come back in place of the updated caches, for the caller to write once (`write_new_rows`)."""
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = (project_heads(cfg, w, h, name) for name in "qkv")
+    q, k, v = qkv_heads(cfg, w, h)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if tree_mask is not None:
-        x = x + attend_with_new(q, k_cache, v_cache, k, v, lengths, tree_mask) @ w["wo"]
+        x = x + attention_output(w, attend_with_new(q, k_cache, v_cache, k, v, lengths, tree_mask))
         k_cache, v_cache = k, v  # the new rows, not written
     else:
         k_cache = write_rows(k_cache, k, lengths)
         v_cache = write_rows(v_cache, v, lengths)
-        x = x + attend(q, k_cache, v_cache, mask) @ w["wo"]
+        x = x + attention_output(w, attend(q, k_cache, v_cache, mask))
     x = x + mlp(w, rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps))
     return x, k_cache, v_cache
 
@@ -421,11 +524,12 @@ def causal_mask(num_new: int) -> jax.Array:
 
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """float32 logits [..., V] of the final-normed hidden states [..., H]."""
     if cfg.tie_word_embeddings:
-        logits = jnp.einsum("bth,vh->btv", hidden, params["embed"], preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("bth,hv->btv", hidden, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits
+        return dense_t(hidden, params["embed"], out_dtype=jnp.float32)
+    if "lm_head_t" in params:
+        return dense_t(hidden, params["lm_head_t"], out_dtype=jnp.float32)
+    return jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def final_logits(params: Params, cfg: ModelConfig, x: jax.Array,
