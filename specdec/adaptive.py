@@ -70,9 +70,12 @@ specdec/scheduling.py). Under greedy decoding any choice is exact.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -463,12 +466,25 @@ def _machine() -> str:
     return f"{dev.platform}:{dev.device_kind}|{cpu}|{os.cpu_count()}cpu"
 
 
+@functools.lru_cache(maxsize=None)
+def _code_version(*modules: str) -> str:
+    """A digest of the source files that decide what a round costs (the step, the loop, the drafter): costs
+    profiled by other code (an older specdec, a changed step layout) are measured again, not reused."""
+    digest = hashlib.sha256()
+    for name in modules:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def cost_key(target, drafter, policy: str, sampling, batch: int, capacity: int, widths) -> str:
     backend = getattr(getattr(target, "backend", None), "name", "?")
     draft = json.dumps(drafter.describe(), sort_keys=True, default=str)
     mode = "greedy" if sampling.greedy else "sampled"
+    code = _code_version("specdec.models.transformer", "specdec.engine", __name__, type(drafter).__module__)
     return (f"{_machine()}|{target.cfg.name}|{backend}|{draft}|{policy}|{mode}|B={batch}|"
-            f"S={-(-capacity // 256) * 256}|W={list(widths)}")
+            f"S={-(-capacity // 256) * 256}|W={list(widths)}|code={code}")
 
 
 def default_cost_path() -> Path:

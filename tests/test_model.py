@@ -167,6 +167,35 @@ def test_family_flags_keep_step_consistency(flags):
     assert rel_err(jnp.concatenate([out.logits, out2.logits], 1), full) < 1e-5
 
 
+@pytest.mark.parametrize("flags", [dict(), dict(attention_bias=True, qk_norm=True), dict(tie_word_embeddings=False)])
+def test_fused_layout_equals_standard_layout(flags):
+    """The reference backend's fused [out, in] layout (`fuse_layers`) computes what the standard layout computes,
+    through both product forms of `dense_t` (at most SKINNY_ROWS rows: W @ x^T; more: x @ W^T), and converts
+    back exactly."""
+    cfg = tiny_config(**flags)
+    standard = transformer.unstack_layers(transformer.init_params(cfg, jax.random.PRNGKey(3), scale=0.1))
+    fused = transformer.fuse_layers(standard)
+    assert transformer.is_fused(fused["layers"][0]) and ("lm_head_t" in fused) == (not cfg.tie_word_embeddings)
+    assert not any(k in fused["layers"][0] for k in transformer.LAYER_KEYS if not k.endswith("norm"))
+    back = transformer.standard_layers(fused)
+    assert jax.tree.structure(back) == jax.tree.structure(standard)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(standard)):
+        np.testing.assert_array_equal(a, b)
+    stacked = transformer.stack_layers(fused)  # stacking always gives the standard layout (scan, sharding)
+    assert stacked["layers"]["wq"].shape == (cfg.num_layers, cfg.hidden_size, cfg.q_size)
+
+    step = jax.jit(transformer.forward, static_argnums=(1,))
+    rng = np.random.default_rng(0)
+    for batch, width in ((1, 1), (1, 4), (3, 2), (2, 12)):  # 1, 4, 6 rows (skinny) and 24 rows
+        cache = transformer.init_cache(cfg, batch, CAPACITY).with_lengths(jnp.array([5, 9, 2][:batch]))
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, width)), jnp.int32)
+        want = step(standard, cfg, cache, tokens)
+        got = step(fused, cfg, cache, tokens)
+        assert rel_err(got.logits, want.logits) < 1e-5, (batch, width)
+        for a, b in zip(jax.tree.leaves(got.cache.k), jax.tree.leaves(want.cache.k)):
+            assert rel_err(a, b) < 1e-5
+
+
 def test_cache_layout_is_head_major():
     """[B, KVH, S, HD] per layer, [L, B, KVH, S, HD] stacked; the axis helpers name the same axes in both."""
     cfg = tiny_config()

@@ -159,7 +159,9 @@ def dense_t(x: jax.Array, w_t: jax.Array, out_dtype=None) -> jax.Array:
     rows = math.prod(x.shape[:-1])
     if rows <= SKINNY_ROWS:
         y = jnp.einsum("oi,ni->on", w_t, x.reshape(rows, x.shape[-1]), preferred_element_type=out_dtype)
-        return y.T.reshape(x.shape[:-1] + (w_t.shape[0],))
+        # the barrier keeps XLA from folding the transpose below into the product, which would turn it back
+        # into the slow x @ W^T form ([rows, out] output) that this branch exists to avoid
+        return jax.lax.optimization_barrier(y).T.reshape(x.shape[:-1] + (w_t.shape[0],))
     return jnp.einsum("...i,oi->...o", x, w_t, preferred_element_type=out_dtype)
 
 
