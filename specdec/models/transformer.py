@@ -16,7 +16,7 @@ function below handles both; which one a target uses is decided once, when it is
 The reference backend goes one step further (`fuse_layers`, run once when its target is built): each layer's
 q|k|v and gate|up weights are concatenated into one matrix, and every layer matrix (and an untied lm_head) is
 stored [out, in]. Products of up to 64 rows (decode, verify) then run as `W @ x^T` (`dense_t`), which XLA:CPU
-streams up to 2-3x faster than `x @ W` at 2-16 rows (docs/BENCHMARKS.md, session 14). `standard_layers`
+streams 1.05-3.7x faster than `x @ W` at 2-16 rows (docs/BENCHMARKS.md, session 14). `standard_layers`
 converts back; `forward` accepts every layout.
 """
 
@@ -149,7 +149,7 @@ def standard_layers(params: Params) -> Params:
 
 
 # A product with at most this many rows (decode, verify, batch-64 data generation) runs as W @ x^T, more rows
-# (prefill, training) as x @ W^T: at 2-16 rows XLA:CPU streams [out, in] weights 1.3-2x faster the first way, at
+# (prefill, training) as x @ W^T: at 2-16 rows XLA:CPU streams [out, in] weights 1.2-2x faster the first way, at
 # 64 rows it is as fast or faster (`python -m benchmarks.bench_products`, docs/BENCHMARKS.md session 14).
 SKINNY_ROWS = 64
 
