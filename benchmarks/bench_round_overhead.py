@@ -8,7 +8,11 @@ passes, milliseconds per loop iteration:
   * `drafted, width 0`: costs under which the draft is free but verifying never pays, so every round drafts
     and `refine` then verifies nothing (what prompt lookup's free draft costs in a round that does not pay).
 Also the adaptive width's `plan` alone, inside a compiled loop of 1,000 plans (B=8, 6 draft positions, 5 evidence
-classes), in microseconds. Outputs equal AR's (checked).
+classes), in microseconds; and, per batch size, the parts a drafted width-0 round adds to a plain one, each alone
+in a compiled loop on the first prompts' committed context (microseconds per call): the n-gram draft (`propose`)
+and the adaptive width's `refine` of it. What the two do not explain of `drafted, width 0` - `plain round` is
+the verify path itself (the bucket switch at width 0, the policy over N + 1 padded positions, the tree mask).
+Outputs equal AR's (checked).
 
     python -m benchmarks.bench_round_overhead [--batches 1 8] [--new-tokens 128] [--passes 4] [--json OUT]
 """
@@ -29,7 +33,8 @@ from benchmarks.common import DEFAULT_DATA, command_line, load_prompts, write_js
 from drafters import create_drafter
 from specdec.adaptive import AdaptiveWidth
 from specdec.engine import speculative_generate
-from specdec.generate import generate
+from specdec.drafter import RoundContext
+from specdec.generate import cache_capacity, generate
 from specdec.models import registry
 from specdec.models.loading import load_checkpoint
 from specdec.sampling import GREEDY
@@ -58,6 +63,52 @@ def plan_microseconds(plans: int = 1000) -> float:
     t0 = time.perf_counter()
     loop(st, remaining).block_until_ready()
     return (time.perf_counter() - t0) / plans * 1e6
+
+
+def _per_call_microseconds(step, carry, calls: int = 500) -> float:
+    """`step(carry) -> carry` run `calls` times in one compiled loop (a second run, after compilation)."""
+    loop = jax.jit(lambda c: jax.lax.fori_loop(0, calls, lambda i, c: step(c), c))
+    jax.block_until_ready(loop(carry))
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(carry))
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def draft_parts_microseconds(drafter, prompts, new_tokens: int) -> dict:
+    """The n-gram draft and the adaptive `refine` of it, each alone in a compiled loop, on the prompts' own
+    tokens in a sequence of the loop's capacity (the committed length moves by one token per call, wrapping, so
+    nothing is hoisted out of the loop)."""
+    batch, n = len(prompts), drafter.num_draft_tokens
+    capacity = cache_capacity([len(p) for p in prompts], new_tokens, extra=n + 1)
+    seq = np.zeros((batch, capacity), np.int32)
+    for b, p in enumerate(prompts):
+        seq[b, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    done = jnp.zeros((batch,), bool)
+    seq = jnp.asarray(seq)
+
+    def draft_at(i):
+        ctx = RoundContext(seq=seq, seq_len=lengths - i % 8, done=done)
+        return drafter.propose(None, None, ctx, GREEDY, jax.random.PRNGKey(0))[0]
+
+    def propose_step(carry):
+        i, acc = carry
+        return i + 1, acc + jnp.sum(draft_at(i).tokens)
+
+    widths = (0, 1, 3, n)
+    sched = AdaptiveWidth(costs=((1.0, 1.2, 1.4, 1.6), 0.01))
+    st = sched.init_state(batch, n, sched.costs, drafter.evidence_classes)
+    draft = draft_at(0)
+    remaining = jnp.full((batch,), new_tokens, jnp.int32)
+
+    def refine_step(carry):
+        i, st = carry
+        cut, st = sched.refine(st, draft, i % len(widths), jnp.asarray(True), widths, ~done, True, False,
+                               remaining=remaining - i % 8)
+        return i + 1, dataclasses.replace(st, quiet_rounds=st.quiet_rounds + jnp.sum(cut.valid))
+
+    return {"propose_us": _per_call_microseconds(propose_step, (jnp.int32(0), jnp.int32(0))),
+            "refine_us": _per_call_microseconds(refine_step, (jnp.int32(0), st))}
 
 
 def main(argv=None) -> dict:
@@ -93,10 +144,15 @@ def main(argv=None) -> dict:
                                            warmup=True, scheduler=sched)
                 assert out.tokens == ar.tokens, label
                 ms[label].append(out.metrics.decode_seconds / sum(out.metrics.width_rounds) * 1e3)
-        row = {"batch": batch, **{k: float(np.median(v)) for k, v in ms.items()}, "passes_ms": ms}
+        row = {"batch": batch, **{k: float(np.median(v)) for k, v in ms.items()}, "passes_ms": ms,
+               **draft_parts_microseconds(drafter, prompts, args.new_tokens)}
         summary["rows"].append(row)
         base = row["AR step"]
         print(f"B={batch}: " + ", ".join(f"{k} {row[k]:.2f} ms ({row[k] / base:.3f}x)" for k in ms), flush=True)
+        rest = (row["drafted, width 0"] - row["plain round"]) * 1e3 - row["propose_us"] - row["refine_us"]
+        print(f"B={batch}: drafted - plain = {(row['drafted, width 0'] - row['plain round']) * 1e3:.0f} us: n-gram "
+              f"propose {row['propose_us']:.0f} us, refine {row['refine_us']:.0f} us, the rest (verify path at "
+              f"width 0) {rest:.0f} us", flush=True)
     summary["load_avg_at_end"] = os.getloadavg()
     write_json(args.json, summary)
     return summary

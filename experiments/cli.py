@@ -230,7 +230,7 @@ def cmd_data(args) -> int:
         else:
             contaminated = contamination_filter(ds.decontaminate) if ds.decontaminate else None
             prompts += load_prompt_records(ds.name, split=ds.split, field=ds.field, limit=ds.limit,
-                                          sample_seed=ds.sample_seed, response_field=ds.response_field,
+                                          sample_seed=ds.sample_seed, skip=ds.skip, response_field=ds.response_field,
                                           exclude_ids=sorted(ds.excluded_ids()), contaminated=contaminated)
     forced = sum(p.response is not None for p in prompts)
     max_prompt = tc.seq_len - gen.max_new_tokens if tc.seq_len > gen.max_new_tokens else tc.seq_len // 2

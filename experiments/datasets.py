@@ -24,7 +24,8 @@ Known record layouts are detected from their fields (or forced with `field`):
 Python function ..."), since an instruction-tuned model answers a bare code prompt unpredictably.
 (**) MBPP's standard prompt: the task text plus its assert statements, so the function name is known.
 `per_category: N` keeps the first N prompts of each category (e.g. 2 of each of MT-Bench's 8), then `limit`.
-`sample_seed: S` shuffles the records with seed S first (a random sample; the indices stay the file positions).
+`sample_seed: S` shuffles the records with seed S first (a random sample; the indices stay the file positions);
+`skip: N` then leaves out the first N of that order (a second sample that repeats none of a first `limit: N`).
 MBPP splits follow the paper: test = task_id 11-510 (default), validation 511-600, train 601-974, prompt 1-10.
 
 Multi-turn MT-Bench as Spec-Bench runs it (`turns: 2`): each question gives one prompt per turn; turn t is the
@@ -143,7 +144,7 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
         if ds.field is not None:
             raise DatasetError(f"dataset {name!r} is a built-in prompt set; `field` does not apply to it")
         items = [Prompt(name, i, ds.category or cat, text, None, "builtin")
-                 for i, (cat, text) in sample_order(builtin(name), ds.sample_seed)]
+                 for i, (cat, text) in sample_order(builtin(name), ds.sample_seed, ds.skip)]
         return _select(items, ds)
     records, where, label = load_records(name, ds.split, default_split="test")
     layout = detect_layout(records[0])
@@ -160,7 +161,7 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
         if all("task_id" in r for r in records):
             records = [r for r in records if lo <= int(r["task_id"]) <= hi]
     prompts, turns = [], {}
-    for i, record in sample_order(records, ds.sample_seed):
+    for i, record in sample_order(records, ds.sample_seed, ds.skip):
         if ds.limit and not ds.per_category and len(prompts) >= ds.limit:
             break
         prompt = to_prompt(record, i, label=label, layout=layout, field=ds.field, category=ds.category,

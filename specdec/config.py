@@ -225,6 +225,9 @@ class DatasetConfig:
     # Shuffle the records with this seed before `per_category` / `limit`: a random sample instead of the file's
     # first N (files sorted by source, like the training prompts, otherwise give N of one source). None: file order.
     sample_seed: int | None = None
+    # Leave out the first N records of that order (before `limit` and any exclusion): with the same sample_seed,
+    # a second data set of fresh prompts that repeats none of a first one's `limit: N`.
+    skip: int = 0
     # MT-Bench-style records (`turns` lists): answer the first N turns, each asked after the target's own greedy
     # (plain AR) answers to the turns before it, as Spec-Bench runs MT-Bench; every turn is one prompt.
     turns: int = 1
@@ -238,6 +241,7 @@ class DatasetConfig:
     def __post_init__(self):
         _require(bool(self.name), "name", "must not be empty")
         _at_least(self, 1, "limit", "per_category", "turns")
+        _at_least(self, 0, "skip")
         for item in self.exclude_ids:
             _require(_id_range(item) is not None, "exclude_ids",
                      f"{item!r} is neither an id nor a range 'low-high' of integer ids")

@@ -116,6 +116,13 @@ class Draft:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
+    def prefix(self, num_nodes: int) -> "Draft":
+        """The draft's first `num_nodes` nodes. Parents come before their children, so a prefix of a tree is a
+        tree (what a narrow verify step runs when no valid node lies past it)."""
+        cut = lambda x: None if x is None else x[:, :num_nodes]  # noqa: E731
+        return dataclasses.replace(self, tokens=cut(self.tokens), parents=cut(self.parents), probs=cut(self.probs),
+                                   valid=cut(self.valid))
+
     def token_probs(self) -> jax.Array:
         """q(x_i) for every node's own token: float32 [B, N] (1 for a deterministic draft)."""
         if self.probs is None:
@@ -147,6 +154,13 @@ class VerifyResult:
     num_accepted: jax.Array  # int32 [B]  draft tokens accepted, 0..N
     tokens: jax.Array  # int32 [B, N+1]  accepted draft tokens, then the correction / bonus token, then -1
     path: jax.Array  # int32 [B, N]  node indices of the accepted path (root's child first), then -1
+
+    def padded(self, num_nodes: int) -> "VerifyResult":
+        """This result of a verify over fewer nodes, as one over `num_nodes` (the padding is -1, as past the
+        accepted path)."""
+        extra = num_nodes - self.path.shape[1]
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, extra)), constant_values=-1)  # noqa: E731
+        return VerifyResult(num_accepted=self.num_accepted, tokens=pad(self.tokens), path=pad(self.path))
 
     @property
     def num_committed(self) -> jax.Array:

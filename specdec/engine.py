@@ -180,7 +180,8 @@ def bucket_widths(num_draft_tokens: int, buckets) -> tuple[int, ...]:
     return tuple(sorted(widths | {n}))
 
 
-def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, mask, need, width: int | None = None):
+def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, mask, need, width: int | None = None,
+                  judge=None):
     """The target's verify forward over [root, nodes]. With `spec.verify_widths`, only the first
     1 + W tokens run, W the smallest width >= `need` (the last valid node of any active row), chosen inside the
     compiled program by `lax.switch`; logits, taps and new K/V are zero-padded back to N + 1 positions (with a
@@ -189,13 +190,19 @@ def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, ma
     land past every row's committed length (the capacity has room for N + 1). A static `width` runs that
     narrow step directly.
 
+    `judge(logits, nodes) -> VerifyResult` (optional) verifies inside each branch, on the logits [B, 1 + W, V]
+    of the positions the branch computed (nodes = W), and returns (StepOutput without logits, the result padded
+    to N nodes). The policy then never reads the padding: at batch 8 an argmax over the N + 1 = 7 padded
+    positions cost a width-0 round ~14 ms more than a plain step (docs/BENCHMARKS.md session 15).
+
     The cache stays out of the switch: a branch that wrote it would make XLA copy every layer's cache in and
     out of the conditional (300 cache-sized copies per round on SmolLM2). So the branches only read the cache
     (`forward(..., write_cache=False)`) and the new K/V rows are written once, after the switch. A backend
     whose step cannot defer its writes (the megakernel) runs the switch with the cache inside."""
-    if not spec.verify_widths:
-        return spec.forward(tparams, spec.cfg, cache, tokens, positions, mask, taps=spec.drafter.taps)
     full = tokens.shape[1]
+    if not spec.verify_widths:
+        out = spec.forward(tparams, spec.cfg, cache, tokens, positions, mask, taps=spec.drafter.taps)
+        return out if judge is None else (out._replace(logits=None), judge(out.logits, full - 1))
     deferred = width is None and getattr(spec.forward, "defers_cache_writes", False)
 
     def pad(x, axis):
@@ -208,26 +215,32 @@ def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, ma
         def run(cache):
             out = spec.forward(tparams, spec.cfg, cache, tokens[:, :t], positions[:, :t], mask[:, :t, :t],
                                taps=spec.drafter.taps, **({"write_cache": False} if deferred else {}))
+            result = None
+            if judge is not None:
+                result = judge(out.logits, width).padded(full - 1)
+                out = out._replace(logits=None)
             if same_shapes:  # the switch's branches must agree; a static width keeps its own 1 + W positions
                 # (at batch 8 padding the logits to N + 1 positions wrote 11 MB of zeros per plain round)
                 out = out._replace(logits=pad(out.logits, 1), hidden=pad(out.hidden, 1), taps=pad(out.taps, 2))
             if deferred:  # new K/V [(L,) B, t, KVH, HD] -> N + 1 rows; the cache itself is not returned
-                return out._replace(cache=None, new_kv=jax.tree.map(lambda x: pad(x, x.ndim - 3), out.new_kv))
-            return out
+                out = out._replace(cache=None, new_kv=jax.tree.map(lambda x: pad(x, x.ndim - 3), out.new_kv))
+            return out if judge is None else (out, result)
         return run
 
     if width is not None:
         return branch(width, same_shapes=False)(cache)
     index = jnp.searchsorted(jnp.asarray(spec.verify_widths, jnp.int32), need.astype(jnp.int32))
     out = jax.lax.switch(index, [branch(w) for w in spec.verify_widths], cache)
+    step = out if judge is None else out[0]
     if deferred:
-        out = out._replace(cache=transformer.write_new_rows(cache, out.new_kv), new_kv=None)
-    return out
+        step = step._replace(cache=transformer.write_new_rows(cache, step.new_kv), new_kv=None)
+    return step if judge is None else (step, out[1])
 
 
-def verify_step(spec: LoopSpec, tparams, state: LoopState, draft: Draft, width: int | None = None):
+def verify_step(spec: LoopSpec, tparams, state: LoopState, draft: Draft, width: int | None = None, judge=None):
     """Step 2: the target over [root, nodes] (tree mask, positions = cache length + depth), as narrow as the
-    active rows' valid nodes allow. Returns (the target's StepOutput, depth [B, N+1])."""
+    active rows' valid nodes allow. Returns (the target's StepOutput, depth [B, N+1]); with `judge` (see
+    `target_verify`), ((StepOutput without logits, VerifyResult), depth)."""
     batch, num_nodes = draft.tokens.shape
     root = state.seq[jnp.arange(batch), state.seq_len - 1]
     tokens = jnp.concatenate([root[:, None], draft.tokens.astype(jnp.int32)], axis=1)
@@ -235,7 +248,7 @@ def verify_step(spec: LoopSpec, tparams, state: LoopState, draft: Draft, width: 
     positions = state.cache.lengths[:, None] + depth
     node_index = jnp.arange(1, num_nodes + 1)[None, :]
     need = jnp.max(jnp.where(draft.valid & ~state.done[:, None], node_index, 0))
-    return target_verify(spec, tparams, state.cache, tokens, positions, mask, need, width), depth
+    return target_verify(spec, tparams, state.cache, tokens, positions, mask, need, width, judge), depth
 
 
 def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, width: int | None = None):
@@ -243,13 +256,16 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, w
     that verify width without the bucket switch (the draft must have no valid node past it)."""
     batch, num_nodes = draft.tokens.shape
     key, sub = jax.random.split(state.key)
-    out, depth = verify_step(spec, tparams, state, draft, width)
-    if width == 0:  # nothing to verify: the target's token is drawn from p at the root, as every policy does then
-        token = sample(sub, out.logits[:, 0], spec.sampling)
-        none = jnp.zeros((batch,), jnp.int32)
-        result = commit_result(draft.tokens, jnp.full((batch, num_nodes), -1, jnp.int32), none, token)
-    else:
-        result = spec.policy.verify(draft, out.logits, spec.sampling, sub)
+
+    def judge(logits, nodes: int):
+        """Step 3 on the logits of the root and the draft's first `nodes` nodes (no valid node lies past them)."""
+        if nodes == 0:  # nothing to verify: the target's token is drawn from p at the root, as every policy does
+            token = sample(sub, logits[:, 0], spec.sampling)
+            none = jnp.zeros((batch,), jnp.int32)
+            return commit_result(draft.tokens[:, :0], jnp.zeros((batch, 0), jnp.int32), none, token)
+        return spec.policy.verify(draft.prefix(nodes), logits, spec.sampling, sub)
+
+    (out, result), depth = verify_step(spec, tparams, state, draft, width, judge)
     cache = out.cache
     if spec.drafter.kind == "tree" and width != 0:
         cache = trees.compact_cache(cache, result.path, result.num_accepted)

@@ -196,8 +196,9 @@ def chat_messages(messages: list, where: str) -> list[dict]:
     return out
 
 
-def sample_order(records: Sequence, seed: int | None) -> list[tuple[int, Any]]:
+def sample_order(records: Sequence, seed: int | None, skip: int = 0) -> list[tuple[int, Any]]:
     """(file position, record) in file order, or in a permutation drawn from `seed` (a random sample when the
-    caller then keeps the first N)."""
+    caller then keeps the first N), without its first `skip` entries (a later sample that repeats none of an
+    earlier one's N = skip)."""
     order = np.arange(len(records)) if seed is None else np.random.default_rng(seed).permutation(len(records))
-    return [(int(i), records[int(i)]) for i in order]
+    return [(int(i), records[int(i)]) for i in order[skip:]]

@@ -467,15 +467,23 @@ def test_adaptive_sampled_output_matches_target_distribution():
     # expected, so the calibration (on for self_spec, as by default) would stop it verifying: off for it.
     # The n-gram drafter twice: deciding from its history, and drafting every round (its draft nearly free)
     # with refine choosing each width from the draft's length and evidence class.
-    for drafter, calibration, draft_cost in ((create_drafter("self_spec", target, 3, num_layers=1), 4.0, 0.2),
-                                             (create_drafter("ngram", target, 3, max_ngram=1), 0.0, 0.2),
-                                             (create_drafter("ngram", target, 3, max_ngram=1), 0.0, 0.01)):
+    # The last case makes width 1 (of 3) nearly free, so the sampled draft is cut to its first node and the verify
+    # step's narrow branch runs the policy on that prefix alone (its own noise draws).
+    self_spec = create_drafter("self_spec", target, 3, num_layers=1)
+    for drafter, calibration, draft_cost, round_costs in ((self_spec, 4.0, 0.2, costs[0]),
+                                                         (create_drafter("ngram", target, 3, max_ngram=1), 0.0, 0.2,
+                                                          costs[0]),
+                                                         (create_drafter("ngram", target, 3, max_ngram=1), 0.0, 0.01,
+                                                          costs[0]),
+                                                         (self_spec, 4.0, 0.2, (1.0, 1.01, 100.0))):
         # throughput: with 3,000 rows in one batch, the makespan objective (the worst row) would verify only
         # exploring rounds; its decisions, too, depend only on the past (the history and tokens left)
-        sched = AdaptiveWidth(costs=(costs[0], draft_cost), explore_every=4, calibration_weight=calibration,
+        sched = AdaptiveWidth(costs=(round_costs, draft_cost), explore_every=4, calibration_weight=calibration,
                               objective="throughput")
         counts, impossible, m = sampled_joint(target, drafter, "rejection_chain", num_samples=3000, scheduler=sched)
         assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (drafter.name, m.width_rounds)
+        if round_costs[1] < 1.1:
+            assert m.width_rounds[1] > m.width_rounds[2], m.width_rounds
         assert_lossless(counts, impossible, m, num_samples=3000)
 
 

@@ -390,6 +390,9 @@ def test_dataset_layouts(tmp_path):
     assert len(load_prompts(DatasetConfig(mt, limit=2))) == 2
     sampled = [p.question_id for p in load_prompts(DatasetConfig(mt, sample_seed=0))]
     assert sorted(sampled) == [81, 82, 91] and sampled == [91, 81, 82]  # permutation [2, 0, 1] of seed 0
+    assert [p.question_id for p in load_prompts(DatasetConfig(mt, sample_seed=0, skip=1))] == [81, 82]
+    with pytest.raises(ConfigError, match="skip"):
+        DatasetConfig(mt, skip=-1)
 
     gsm = write_jsonl(tmp_path / "test.jsonl", [{"question": "2+2?", "answer": "It is 4.\n#### 4"},
                                                  {"question": "How many?", "answer": "Lots.\n#### 1,234"}])

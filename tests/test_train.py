@@ -146,6 +146,10 @@ def test_prompt_files_and_offline_hub(tmp_path, monkeypatch):
     assert picked == [r.text for r in D.load_prompt_records(str(tmp_path / "many.jsonl"), limit=5, sample_seed=3)]
     assert len(set(picked)) == 5 and picked != [f"p{i}" for i in range(5)]
     assert picked != [r.text for r in D.load_prompt_records(str(tmp_path / "many.jsonl"), limit=5, sample_seed=4)]
+    # skip: the next 5 of the same order, none of the first 5 repeated
+    later = [r.text for r in D.load_prompt_records(str(tmp_path / "many.jsonl"), limit=5, sample_seed=3, skip=5)]
+    assert later == [r.text for r in D.load_prompt_records(str(tmp_path / "many.jsonl"), limit=10,
+                                                            sample_seed=3)][5:]
     with pytest.raises(D.DataError, match="not found"):
         D.load_prompt_records(str(tmp_path / "missing.jsonl"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -105,11 +105,12 @@ def contamination_filter(paths: Sequence[str], n: int = 13) -> Callable[[str], b
 # ---------------------------------------------------------------------------------------------------------
 
 def load_prompt_records(name: str, *, split: str | None = None, field: str | None = None,
-                        limit: int | None = None, sample_seed: int | None = None,
+                        limit: int | None = None, sample_seed: int | None = None, skip: int = 0,
                         response_field: str | None = None, exclude_ids: Sequence[int] = (),
                         contaminated: Callable[[str], bool] | None = None) -> list[PromptRecord]:
     """Prompts from a local file (by suffix) or a `datasets` hub name ("owner/name[:config]"); with
-    `sample_seed`, a seeded random `limit` of them (ids keep the records' file positions).
+    `sample_seed`, a seeded random `limit` of them (ids keep the records' file positions); `skip` leaves out the
+    first records of that order (a later sample that repeats none of an earlier one).
 
     With `response_field` (a field name, or "auto": see `record_response`) each record also carries its given
     answer, and the data built from it is teacher-forced. Records whose `id` / `task_id` / `question_id` is in
@@ -119,7 +120,7 @@ def load_prompt_records(name: str, *, split: str | None = None, field: str | Non
     records, where, label = load_records(name, split, default_split="train")
     excluded = {str(i) for i in exclude_ids}
     out = []
-    for i, record in sample_order(records, sample_seed):
+    for i, record in sample_order(records, sample_seed, skip):
         if limit is not None and len(out) >= limit:
             break
         rid = next((str(record[k]) for k in ("id", "question_id", "task_id") if k in record), f"{label}-{i}")
