@@ -169,6 +169,11 @@ class AdaptiveWidth:
     # even after a row's history of short ones said to skip (session 11's rewrite prompt: tau 1.00 where the
     # fixed width reached 4.25). 0: decide from the history alone.
     free_draft: float = 0.03
+    # ... in batches of at most this many rows. At batch 8, once a draft really cost nothing there (session 15:
+    # the verify path no longer argmaxes padded logits), drafting every round and letting `refine` verify the
+    # rows' matches cost n-gram 9% on GSM8K and HumanEval (0.91x AR; the estimates expected 3-4x the drafts that
+    # were accepted), where deciding from the history alone held 0.99x and 1.06x (docs/BENCHMARKS.md session 15).
+    free_draft_max_batch: int = 1
     # "makespan": value a round by the progress of the row that would finish last (a static batch, as
     # `speculative_generate` decodes); "throughput": by the tokens it commits over all rows (a server that refills
     # finished rows). See the module docstring.
@@ -200,6 +205,8 @@ class AdaptiveWidth:
             raise ValueError(f"scheduler.free_draft must be in [0, 1), got {self.free_draft!r}")
         if self.objective not in ("makespan", "throughput"):
             raise ValueError(f"scheduler.objective must be 'makespan' or 'throughput', got {self.objective!r}")
+        if self.free_draft_max_batch < 1:
+            raise ValueError(f"scheduler.free_draft_max_batch must be >= 1, got {self.free_draft_max_batch!r}")
         if self.calibration_min_batch < 1:
             raise ValueError(f"scheduler.calibration_min_batch must be >= 1, got {self.calibration_min_batch!r}")
         if self.calibration_weight < 0:
@@ -330,7 +337,7 @@ class AdaptiveWidth:
         n = st.hits.shape[2]
         value = self._value(st, self._expected_by_width(st, widths, remaining), active, remaining)
         best = self._best(value, st.round_cost, self._allowed(st, widths, n, tree, ordered))
-        if look and self.free_draft > 0:
+        if look and self.free_draft > 0 and st.hits.shape[0] <= self.free_draft_max_batch:
             free = st.draft_cost <= self.free_draft * st.round_cost[0]
             best = jnp.where(free & (best == 0), len(widths) - 1, best)
         return jnp.where(st.force_plan >= 0, st.force_plan, best)

@@ -166,6 +166,7 @@ class SchedulerConfig:
     calibration_per_position: bool = False  # "adaptive": one ratio per draft position (default: one for the draft)
     calibration_min_batch: int = 2  # "adaptive": calibrate only batches of at least this many rows
     free_draft: float = 0.03  # "adaptive": always draft when a draft costs at most this fraction of a plain round
+    free_draft_max_batch: int = 1  # "adaptive": ... in batches of at most this many rows (session 15, batch 8)
     # "adaptive": "makespan" (a static batch ends with its last row) or "throughput" (a server refilling rows)
     objective: Literal["makespan", "throughput"] = "makespan"
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
@@ -178,7 +179,7 @@ class SchedulerConfig:
         _at_least(self, 1, "explore_every")
         _require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin!r}")
         _require(self.calibration_weight >= 0, "calibration_weight", f"must be >= 0, got {self.calibration_weight!r}")
-        _at_least(self, 1, "calibration_min_batch")
+        _at_least(self, 1, "calibration_min_batch", "free_draft_max_batch")
         _require(0 <= self.free_draft < 1, "free_draft", f"must be in [0, 1), got {self.free_draft!r}")
         _require(0 <= self.calibration_decay < 1, "calibration_decay",
                  f"must be in [0, 1), got {self.calibration_decay!r}")

@@ -326,6 +326,13 @@ def test_a_nearly_free_draft_is_always_made_when_refine_can_look():
     assert int(AdaptiveWidth().plan(cheap, widths, active, tree=False, look=False)) == 0
     assert int(AdaptiveWidth().plan(dear, widths, active, tree=False, look=True)) == 0
     assert int(AdaptiveWidth(free_draft=0.0).plan(cheap, widths, active, tree=False, look=True)) == 0
+    # only in batches of at most free_draft_max_batch rows (a batch of 2 decides from its history)
+    pair = state_with(AdaptiveWidth(), **{k: v * 2 for k, v in hopeless.items()}, costs=((1.0, 1.3, 1.6), 0.02))
+    both = jnp.asarray([True, True])
+    assert int(AdaptiveWidth().plan(pair, widths, both, tree=False, look=True)) == 0
+    assert int(AdaptiveWidth(free_draft_max_batch=2).plan(pair, widths, both, tree=False, look=True)) > 0
+    with pytest.raises(ValueError, match="free_draft_max_batch"):
+        AdaptiveWidth(free_draft_max_batch=0)
     with pytest.raises(ValueError, match="free_draft"):
         AdaptiveWidth(free_draft=1.0)
 
@@ -449,7 +456,8 @@ def test_free_drafts_with_evidence_keep_greedy_equal_to_ar():
     ar = generate(target, PROMPTS, max_new_tokens=17)
     drafter = create_drafter("ngram", target, 4, max_ngram=2)
     out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=17,
-                               scheduler=AdaptiveWidth(costs=((1.0, 1.25, 1.6, 1.8), 0.01), explore_every=4))
+                               scheduler=AdaptiveWidth(costs=((1.0, 1.25, 1.6, 1.8), 0.01), explore_every=4,
+                                                       free_draft_max_batch=len(PROMPTS)))
     assert out.tokens == ar.tokens
     m = out.metrics
     assert m.skipped_drafts == 0 and m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, m.width_rounds
@@ -479,7 +487,7 @@ def test_adaptive_sampled_output_matches_target_distribution():
         # throughput: with 3,000 rows in one batch, the makespan objective (the worst row) would verify only
         # exploring rounds; its decisions, too, depend only on the past (the history and tokens left)
         sched = AdaptiveWidth(costs=(round_costs, draft_cost), explore_every=4, calibration_weight=calibration,
-                              objective="throughput")
+                              objective="throughput", free_draft_max_batch=3000)
         counts, impossible, m = sampled_joint(target, drafter, "rejection_chain", num_samples=3000, scheduler=sched)
         assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (drafter.name, m.width_rounds)
         if round_costs[1] < 1.1:
@@ -510,6 +518,7 @@ def test_round_costs_are_measured_in_the_loop_once_and_cached(tmp_path, monkeypa
 def test_adaptive_config_and_bad_inputs():
     s = make_scheduler(SchedulerConfig(kind="adaptive", decay=0.8, prior=0.9, free_draft=0.0))
     assert isinstance(s, AdaptiveWidth) and s.decay == 0.8 and s.prior == 0.9 and s.free_draft == 0.0
+    assert make_scheduler(SchedulerConfig(kind="adaptive", free_draft_max_batch=8)).free_draft_max_batch == 8
     with pytest.raises(ValueError, match="free_draft"):
         SchedulerConfig(kind="adaptive", free_draft=-0.1)
     with pytest.raises(ValueError, match="decay"):
