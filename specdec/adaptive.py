@@ -20,7 +20,8 @@ a row one token from its limit gains nothing from a draft.
 Inputs, both known before the target runs:
 - C(W): measured inside the compiled loop itself (`measure_round_costs`: the same program, forced to one width
   per pass, draft and loop overhead included), cached per machine / model / backend / drafter / batch /
-  capacity in the specdec cache dir (`round_costs.json`), re-measured on request.
+  capacity in the specdec cache dir (`round_costs.json`), re-measured on request; a warmed-up run rescales the
+  cached costs to the machine's speed now (one fresh pass of plain rounds: `engine.round_costs`).
 - P_b: per-row running estimates from that row's own history (exponentially decayed counts, decayed when the
   position is observed, so a row's estimates follow its text): the conditional acceptance of position j given
   j-1 was accepted, and how often position j is drafted at all (an n-gram miss drafts nothing). The acceptance
@@ -44,7 +45,9 @@ Inputs, both known before the target runs:
   (~4% here at 8). (Until session 11 any accepted token reset the gap: at batch 8 some row nearly always accepts
   one, so a tree drafter, whose narrowest width is the whole tree at ~2x a plain round, explored every 9th
   round and lost 22% on GSM8K.) (Session 6 let unobserved counts drift back to the optimistic prior instead: on
-  open chat a third of the rounds then verified drafts accepted 11% of the time.)
+  open chat a third of the rounds then verified drafts accepted 11% of the time.) The gap is never shorter than
+  the exploring round's extra cost allows (`explore_budget`, 2% of the plain rounds' time: at batch 8 suffix
+  decoding's exploring round costs ~1.7 plain rounds, so it waits ~35 quiet rounds instead of 8).
 
 A width > 0 must beat width 0 by `margin` (5%): the measured costs are good to a few percent, so a
 predicted gain smaller than that is as likely a loss.
@@ -145,6 +148,12 @@ class AdaptiveWidth:
     prior_weight: float = 1.0
     explore_every: int = 8  # verify (the best width > 0) after this many rounds in a row that verified nothing
     explore_max: int = 64  # the gap doubles after each verified round that accepted nothing, up to this
+    # An exploring round costs C(narrowest) - C(0) more than a plain one; explore at most every
+    # (C(narrowest) / C(0) - 1) / explore_budget rounds, so exploring spends at most this share of the plain
+    # rounds' time (within [explore_every, explore_max]). Suffix decoding at batch 8 explores at ~1.7 plain rounds
+    # (its Python draft of 8 rows plus a width-1 verify): every 8th round, that was 9% of the loop's time on open
+    # text at the start of a row, against ~2% for n-gram at batch 1 (C(1) ~ 1.35 C(0)). 0: no floor.
+    explore_budget: float = 0.02
     # Verify only if the expected tokens/s beat a plain step's by this factor: the costs are measured to a few
     # percent, so a width predicted to win by less is as likely to lose (batch 8 picked such widths and lost 6%).
     margin: float = 0.05
@@ -211,6 +220,8 @@ class AdaptiveWidth:
             raise ValueError(f"scheduler.calibration_min_batch must be >= 1, got {self.calibration_min_batch!r}")
         if self.calibration_weight < 0:
             raise ValueError(f"scheduler.calibration_weight must be >= 0, got {self.calibration_weight!r}")
+        if not 0.0 <= self.explore_budget < 1.0:
+            raise ValueError(f"scheduler.explore_budget must be in [0, 1), got {self.explore_budget!r}")
         if self.prior_weight <= 0:
             raise ValueError(f"scheduler.prior_weight must be > 0, got {self.prior_weight!r}")
         if self.explore_every < 1:
@@ -301,9 +312,17 @@ class AdaptiveWidth:
         # learn whether drafts are accepted again, and at batch 8 a wide round costs ~1.5 plain steps where the
         # narrowest costs ~1.1 (every row pays for the batch's exploration). A hit resets the gap and the next
         # plan widens on the evidence.
-        exploring = st.quiet_rounds >= st.explore_gap
         narrowest = jnp.min(jnp.where(allowed & (w > 0), w, jnp.iinfo(jnp.int32).max))
+        exploring = st.quiet_rounds >= jnp.maximum(st.explore_gap, self._explore_floor(st, w == narrowest))
         return jnp.where(exploring, allowed & (w == narrowest), allowed)
+
+    def _explore_floor(self, st: AdaptiveState, is_narrowest: jax.Array) -> jax.Array:
+        """Quiet rounds before an exploring round may run, from its extra cost (`explore_budget`)."""
+        if self.explore_budget == 0:
+            return jnp.asarray(self.explore_every, jnp.int32)
+        extra = jnp.max(jnp.where(is_narrowest, st.round_cost, 0.0)) / st.round_cost[0] - 1.0
+        floor = jnp.ceil(jnp.maximum(extra, 0.0) / self.explore_budget - 1e-3)  # 1e-3: float32 rounding
+        return jnp.clip(floor, self.explore_every, self.explore_max).astype(jnp.int32)
 
     def _expected_by_width(self, st: AdaptiveState, widths, remaining) -> jax.Array:
         """[B, K, N]: P(position j drafted and accepted) per row, for the positions a verify width of widths[k]

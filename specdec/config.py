@@ -160,6 +160,7 @@ class SchedulerConfig:
     prior: float = 1.0  # "adaptive": the acceptance assumed of a position with no recent history
     explore_every: int = 8  # "adaptive": verify after this many rounds in a row that verified nothing
     explore_max: int = 64  # "adaptive": that gap doubles after each verified round that did not pay, to this
+    explore_budget: float = 0.02  # "adaptive": exploring spends at most this share of the plain rounds' time
     margin: float = 0.05  # "adaptive": verify only when the expected tokens/s beat a plain step's by this factor
     calibration_weight: float = 4.0  # "adaptive": pseudo-tokens of the realised/expected acceptance ratio; 0: off
     calibration_decay: float = 0.95  # "adaptive": that ratio's decay per verified round
@@ -181,6 +182,7 @@ class SchedulerConfig:
         _require(self.calibration_weight >= 0, "calibration_weight", f"must be >= 0, got {self.calibration_weight!r}")
         _at_least(self, 1, "calibration_min_batch", "free_draft_max_batch")
         _require(0 <= self.free_draft < 1, "free_draft", f"must be in [0, 1), got {self.free_draft!r}")
+        _require(0 <= self.explore_budget < 1, "explore_budget", f"must be in [0, 1), got {self.explore_budget!r}")
         _require(0 <= self.calibration_decay < 1, "calibration_decay",
                  f"must be in [0, 1), got {self.calibration_decay!r}")
         _require(self.explore_max >= self.explore_every, "explore_max",

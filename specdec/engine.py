@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec import trees
-from specdec.adaptive import AdaptiveWidth, load_or_measure_round_costs, measure_round_costs, cost_key
+from specdec.adaptive import AdaptiveWidth, cost_key, load_or_measure_round_costs, measure_round_costs
 from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, VerifyResult
 from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill
 from specdec.metrics import DecodeMetrics
@@ -480,7 +480,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     elif warmup:
         _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled)
     if adaptive:
-        costs = round_costs(spec, target, drafter, tokens, lengths, capacity, compiled)
+        costs = round_costs(spec, target, drafter, tokens, lengths, capacity, compiled, rescale=warmup)
         sched = scheduler.init_state(len(tokens), n, costs, drafter.evidence_classes)
     return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round,
                 sched_state=sched)
@@ -489,10 +489,16 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
 PROFILE_ROUNDS = 16  # loop iterations per forced width when measuring round costs
 
 
-def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, lengths, capacity: int, compiled: bool):
+def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, lengths, capacity: int, compiled: bool,
+                rescale: bool = False):
     """The adaptive width's round costs for this loop (cached per machine, model, drafter, batch and capacity;
     measured on first use by running this very loop with each width forced, on random prompts of the same
-    shapes, so the compiled programs are the ones the real run uses)."""
+    shapes, so the compiled programs are the ones the real run uses).
+
+    `rescale` (a warmed-up run): cached costs are scaled to the machine's speed now, by one fresh pass of plain
+    rounds against the cached C(0). A shared VM's speed drifts by 20-30% over minutes to hours (session 16: a
+    profile taken at 31 ms per plain round, then runs at 23 ms, so every prediction was 20-26% low); the
+    widths' cost *ratios*, which alone decide the rounds, stay put, but the predicted time follows the scale."""
     sched: AdaptiveWidth = spec.scheduler
     if sched.costs is not None:
         if len(sched.costs[0]) != len(spec.verify_widths):
@@ -513,9 +519,18 @@ def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, length
                        sched_state=state)
         return out.metrics.decode_seconds / max(sum(out.metrics.width_rounds), 1)
 
+    measured = []
+
+    def measure():
+        measured.append(True)
+        return measure_round_costs(run_forced, len(spec.verify_widths))
+
     key = cost_key(target, drafter, spec.policy.name, spec.sampling, len(tokens), capacity, spec.verify_widths)
-    return load_or_measure_round_costs(key, lambda: measure_round_costs(run_forced, len(spec.verify_widths)),
-                                       sched.cost_path, sched.reprofile)
+    round_cost, draft_cost = load_or_measure_round_costs(key, measure, sched.cost_path, sched.reprofile)
+    if rescale and not measured:
+        scale = run_forced(0, 0) / round_cost[0]
+        round_cost, draft_cost = tuple(c * scale for c in round_cost), draft_cost * scale
+    return round_cost, draft_cost
 
 
 def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, tokens, lengths, capacity: int,

@@ -232,7 +232,8 @@ def make_scheduler(cfg, target=None, max_tokens: int | None = None, log=print) -
         from specdec.adaptive import AdaptiveWidth
         return AdaptiveWidth(decay=float(cfg.decay), prior=float(cfg.prior), reprofile=bool(cfg.reprofile),
                              cost_path=cfg.cost_path, explore_every=int(cfg.explore_every),
-                             explore_max=int(cfg.explore_max), margin=float(cfg.margin),
+                             explore_max=int(cfg.explore_max), explore_budget=float(cfg.explore_budget),
+                             margin=float(cfg.margin),
                              calibration_weight=float(cfg.calibration_weight),
                              calibration_decay=float(cfg.calibration_decay),
                              calibration_per_position=bool(cfg.calibration_per_position),

@@ -215,7 +215,7 @@ def test_calibration_scales_expected_gains_by_realised_over_expected():
 def test_exploration_verifies_after_a_run_of_quiet_rounds():
     """A hopeless history skips the draft, but after `explore_every` quiet rounds the plan and the refinement
     both must verify (the narrowest width > 0); a verifying round restarts the clock."""
-    sched = AdaptiveWidth(explore_every=3)
+    sched = AdaptiveWidth(explore_every=3, explore_budget=0)  # the cadence alone (no cost floor)
     widths = (0, 1, 3)
     st = sched.init_state(1, 3, ((1.0, 1.5, 2.0), 0.1))
     st = dataclasses.replace(st, hits=one_class(np.zeros((1, 3))), reached=one_class(np.full((1, 3), 50.0)),
@@ -245,7 +245,7 @@ def test_exploration_verifies_after_a_run_of_quiet_rounds():
 def test_exploration_backs_off_while_verified_drafts_fail():
     """Each verified round whose accepted drafts do not pay for its width doubles the quiet gap before the next
     exploration (up to explore_max); a round that pays resets it; width-0 rounds leave it alone."""
-    sched = AdaptiveWidth(explore_every=2, explore_max=8)
+    sched = AdaptiveWidth(explore_every=2, explore_max=8, explore_budget=0)
     st = sched.init_state(2, 3, ((1.0, 1.5, 2.0), 0.1))
     active = jnp.asarray([True, True])
     verified = jnp.asarray([[True, True, False], [True, False, False]])
@@ -277,6 +277,27 @@ def test_exploration_backs_off_while_verified_drafts_fail():
     assert plans == [0, 0, 0, 0, 1]
     with pytest.raises(ValueError, match="explore_max"):
         AdaptiveWidth(explore_every=8, explore_max=4)
+
+
+def test_exploration_waits_until_its_cost_fits_the_budget():
+    """An exploring round that costs C(narrowest) / C(0) - 1 = 0.2 more than a plain one waits 0.2 /
+    explore_budget = 10 quiet rounds, not explore_every; the floor is capped at explore_max."""
+    widths = (0, 1, 3)
+    active = jnp.asarray([True])
+    draft = Draft.chain(jnp.ones((1, 3), jnp.int32))
+    for costs, explore_max, first in (((1.0, 1.2, 2.0), 64, 10), ((1.0, 3.0, 4.0), 16, 16)):
+        sched = AdaptiveWidth(explore_every=3, explore_max=explore_max, explore_budget=0.02)
+        st = sched.init_state(1, 3, (costs, 0.1))
+        st = dataclasses.replace(st, hits=one_class(np.zeros((1, 3))), reached=one_class(np.full((1, 3), 50.0)),
+                                 drafted=jnp.full((1, 3), 50.0), drafts=jnp.full((1, 1), 50.0))
+        plans = []
+        for _ in range(first + 1):
+            k = sched.plan(st, widths, active, tree=False)
+            plans.append(int(k))
+            _, st = sched.refine(st, draft, k, k > 0, widths, active, look=True, tree=False)
+        assert plans == [0] * first + [1], (costs, plans)
+    with pytest.raises(ValueError, match="explore_budget"):
+        AdaptiveWidth(explore_budget=1.0)
 
 
 def test_history_is_kept_per_evidence_class():
