@@ -536,6 +536,26 @@ def test_round_costs_are_measured_in_the_loop_once_and_cached(tmp_path, monkeypa
                              scheduler=AdaptiveWidth(cost_path=str(path), reprofile=True))
 
 
+def test_a_warmed_up_run_rescales_cached_costs_to_the_speed_now(tmp_path):
+    """Cached costs from a (much) slower machine state are scaled by one fresh pass of plain rounds before a
+    warmed-up run: its prediction follows the machine now, not the cache (the ratios decide the same widths)."""
+    target = peaky_target(4)
+    drafter = create_drafter("ngram", target, 4, max_ngram=2)
+    path = tmp_path / "costs.json"
+    sched = AdaptiveWidth(cost_path=str(path))
+    speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=sched)  # measures and caches
+    table = json.loads(path.read_text())
+    (key,) = table
+    table[key]["round_cost"] = [100.0 * c / table[key]["round_cost"][0] for c in table[key]["round_cost"]]
+    path.write_text(json.dumps(table))
+    cold = speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=sched)
+    warm = speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=sched, warmup=True)
+    assert cold.metrics.predicted_seconds > 50.0 * sum(cold.metrics.width_rounds)  # the cache as it is (~100 s)
+    assert warm.metrics.predicted_seconds < sum(warm.metrics.width_rounds)  # rescaled: well under 1 s a round
+    assert warm.tokens == cold.tokens
+    assert json.loads(path.read_text()) == table  # the cache itself is not rewritten
+
+
 def test_adaptive_config_and_bad_inputs():
     s = make_scheduler(SchedulerConfig(kind="adaptive", decay=0.8, prior=0.9, free_draft=0.0))
     assert isinstance(s, AdaptiveWidth) and s.decay == 0.8 and s.prior == 0.9 and s.free_draft == 0.0
