@@ -495,18 +495,20 @@ def test_bad_checkpoints_are_clear_errors(work, data_dir, target, tmp_path):
 def test_cached_features_equal_online_ones(data_dir, target, tmp_path):
     drafters.available()
     task = make_task("eagle3", target, {"ttt_steps": 1})
-    arrays = D.load_distill_data(data_dir).padded(64, 2)
+    arrays = D.load_distill_data(data_dir).padded(192, 2)  # longer than any example: the build cuts each batch
     small = {k: v[:5] for k, v in arrays.items()}
+    assert small["lengths"].max() <= 128
     cache = build_feature_cache(target, small, task.taps, True, tmp_path / "f", dtype="float32", batch_size=2,
                                 progress=False)
     stored = cache.stored
     assert cache.bytes_per_token == len(stored) * target.cfg.hidden_size * 4
-    rows = np.array([2, 3])  # one batch of the cache build: the same arithmetic as online
+    # every row, whichever length-sorted batch and cut width the build gave it, against the full-width online pass
+    rows = np.arange(5)
     feats = jax.jit(lambda tp, f: cached_features(tp, target.cfg, f, task.taps, stored, True))(
-        target.params, jnp.asarray(cache.batch(rows, small["lengths"][rows], 64)))
+        target.params, jnp.asarray(cache.batch(rows, small["lengths"][rows], 192)))
     ref = jax.jit(lambda tp, t: online_features(tp, target.cfg, target.forward, t, task.taps, True))(
         target.params, jnp.asarray(small["tokens"][rows]))
-    valid = np.arange(64)[None, :] < small["lengths"][rows][:, None]
+    valid = np.arange(192)[None, :] < small["lengths"][rows][:, None]
     np.testing.assert_allclose(np.asarray(feats.taps)[:, valid], np.asarray(ref.taps)[:, valid], rtol=1e-5, atol=1e-3)
     np.testing.assert_allclose(np.asarray(feats.logits)[valid], np.asarray(ref.logits)[valid], rtol=1e-5, atol=1e-3)
 

@@ -141,10 +141,15 @@ def build_feature_cache(target, arrays: dict[str, np.ndarray], taps: tuple[int, 
         f = online_features(tparams, cfg, target.forward, toks, stored, False)
         return jnp.moveaxis(f.taps, 0, 2)  # [B, T, n, H]
 
+    # Batches of similar length, cut to their longest row rounded up to 64 tokens (a few compiled widths): the
+    # target is causal and the padding trails each row, so a row's features do not depend on the cut, and the
+    # forward runs on real tokens instead of seq_len (examples average well under it).
+    by_length = np.argsort(lengths, kind="stable")
     bar = tqdm(total=n, desc="target features", unit="example", disable=not progress, dynamic_ncols=True)
     for start in range(0, n, batch_size):
-        rows = np.arange(start, min(start + batch_size, n))
-        toks = tokens[np.concatenate([rows, np.full(batch_size - len(rows), rows[-1])])]
+        rows = by_length[start:start + batch_size]
+        width = min(seq_len, -(-int(lengths[rows].max()) // 64) * 64)
+        toks = tokens[np.concatenate([rows, np.full(batch_size - len(rows), rows[-1])]), :width]
         feats = np.asarray(run(target.params, jnp.asarray(toks))).astype(dtype)
         for i, r in enumerate(rows):
             out[offsets[r]:offsets[r] + lengths[r]] = feats[i, :lengths[r]]
