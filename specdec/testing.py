@@ -194,10 +194,16 @@ def prefill_for_drafter(target, drafter, rows, width: int = 16, capacity: int = 
     logits, taps, _ = prefill(target.params, target.init_cache(len(rows), capacity), jnp.asarray(tokens), lengths,
                               forward=target.forward, cfg=target.cfg, taps=every)
     root = np.asarray(jnp.argmax(logits, -1))
+    return tokens, lengths, root, drafter_state(drafter, tokens, lengths, root, taps, state_capacity), taps
+
+
+def drafter_state(drafter, tokens, lengths, roots, taps, capacity: int = 48):
+    """The drafter's state from `init` after the target's prefill of `tokens` [B, T] (`lengths` [B]; `roots` [B]:
+    the token the target chose after each row), given the target's hidden states `taps`, indexable by layer
+    ([L+1, B, T, H], or {layer: [B, T, H]} holding at least the drafter's taps)."""
     mine = jnp.stack([taps[t] for t in drafter.taps])  # the taps the drafter asks for, in its own order
-    state = jax.jit(drafter.init, static_argnums=2)(drafter.params, PromptInfo(jnp.asarray(tokens), lengths, mine,
-                                                                               jnp.asarray(root)), state_capacity)
-    return tokens, lengths, root, state, taps
+    prompt = PromptInfo(jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), mine, jnp.asarray(roots, jnp.int32))
+    return jax.jit(drafter.init, static_argnums=2)(drafter.params, prompt, capacity)
 
 
 def edited_export(src, dst, edit_config=None, edit_tensors=None):

@@ -21,7 +21,6 @@ import torch
 
 from drafters import create_drafter, dflash, dspark
 from experiments import cli
-from specdec.drafter import RoundContext
 from specdec.engine import speculative_generate
 from specdec.export import NotRepresentable, export_run
 from specdec.generate import generate
@@ -31,6 +30,7 @@ from specdec.target import random_target
 from specdec.testing import edited_export, prefill_for_drafter
 from specdec.train import checkpoint as ckpt
 from tests.peer_block import PeerBlockDrafter
+from tests.test_eagle3 import context
 
 LAYERS = 4
 TAPS = [3, 1]  # out of order on purpose: fc's input blocks must be written in the engines' layer order
@@ -82,22 +82,25 @@ def exports(tmp_path_factory, target):
 
 
 def first_round(target, drafter, rows=PROMPTS):
-    """specdec's greedy drafting after the target's prefill: draft logits [B, k, Vd] (DSpark: Markov head
-    included, previous token = the drafted one), drafted target ids [B, k], prefix confidences [B, k], the
-    roots, and the target's hidden states of every layer [L+1, B, T, H]."""
-    _, lengths, root, state, taps = prefill_for_drafter(target, drafter, rows)
+    """specdec's greedy drafting after the target's prefill (`block_round`), the roots, and the target's hidden
+    states of every layer [L+1, B, T, H]."""
+    _, _, root, state, taps = prefill_for_drafter(target, drafter, rows)
+    lg, drafted, conf = block_round(drafter, state, [p + [int(r)] for p, r in zip(rows, root)])
+    return lg, drafted, conf, root, np.array(taps)
+
+
+def block_round(drafter, state, rows, cap=64):
+    """specdec's greedy drafting from `state` (the drafter's after the prefill) at the end of each row (prompt +
+    root): draft logits [B, k, Vd] (DSpark: Markov head included, previous token = the drafted one), drafted
+    target ids [B, k], prefix confidences [B, k]."""
     params = drafter.params
-    seq = np.zeros((len(rows), 64), np.int32)
-    for i, (p, r) in enumerate(zip(rows, root)):
-        seq[i, : len(p) + 1] = p + [int(r)]
-    ctx = RoundContext(jnp.asarray(seq), lengths + 1, jnp.zeros((len(rows),), bool))
-    hidden, r = drafter.block(params, state, ctx)
+    hidden, r = drafter.block(params, state, context(rows, cap))
     drafted, _, conf = drafter.draw(params, hidden, r, GREEDY, jax.random.PRNGKey(0))
     lg = drafter.head_logits(params, hidden)[:, :drafter.num_draft_tokens]
     if drafter.name == "dspark":
         prev = jnp.concatenate([r[:, None], drafted[:, :-1]], axis=1)
         lg = lg + dspark.markov_bias(params["params"], prev)[0]  # W2 already cut to the draft vocabulary
-    return np.asarray(lg), np.asarray(drafted), np.asarray(conf), root, np.array(taps)
+    return np.asarray(lg), np.asarray(drafted), np.asarray(conf)
 
 
 @pytest.mark.parametrize("kind, fmt, vocab", CASES)
