@@ -6,7 +6,7 @@
 `<drafter dir>` is a training run directory (config.yaml + drafter.json + params.npz or checkpoints/; an unfinished
 run is read at its newest checkpoint, or `--step S`) or a drafter directory (drafter.json + params.npz, e.g.
 drafters/trained/dspark_smollm2_mix). The kind comes from drafter.json, as `create_drafter(None, ..., path=)` reads it.
-The target is SmolLM2-135M-Instruct.
+The target is the run's `model.name` (`--model`, default SmolLM2-135M-Instruct, for a drafter directory).
 
 What it measures, on the held-out prompts of the data (`DistillData.split_indices(eval_examples)`, the split the
 training run used: eval_examples from the run's config.yaml; a drafter directory without a config takes
@@ -375,6 +375,8 @@ def main(argv=None) -> dict:
                          f"{DEFAULT_EVAL_EXAMPLES}); a run's own is always used")
     ap.add_argument("--seq-len", type=int, help="truncation of the held-out data examples (default: the run's "
                                                 "train.seq_len, else the longest held-out example)")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="the target of a drafter directory without config.yaml (a run's own model.name is used)")
     ap.add_argument("--json", metavar="OUT", type=Path)
     args = ap.parse_args(argv)
     if min(args.prompts, args.new_tokens, args.batch, 1 if args.k is None else args.k) < 1:
@@ -396,8 +398,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--prompts {args.prompts}: the split holds out only {len(eval_idx)} examples")
     k = args.k if args.k is not None else ((cfg or {}).get("drafter") or {}).get("num_draft_tokens")
 
-    say("loading target smollm2-135m-instruct ...")
-    target = load_target("smollm2-135m-instruct")
+    model = ((cfg or {}).get("model") or {}).get("name") or args.model  # the target the drafter was trained on
+    say(f"loading target {model} ...")
+    target = load_target(model)
     pad_id = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     with tempfile.TemporaryDirectory() as tmp:
         path, weights = frozen_drafter(args.drafter_dir, args.step, Path(tmp))
