@@ -33,7 +33,8 @@ from specdec.testing import PROMPTS
 from specdec.tracking import MemoryTracker
 from specdec.train import checkpoint as ckpt
 from specdec.train import data as D
-from specdec.train.features import build_feature_cache, cached_features, online_features
+from specdec.train.features import (build_feature_cache, cached_features, find_feature_cache,
+                                    online_features, open_feature_cache)
 from specdec.train.loop import TrainingDiverged, initial_weights, train
 from specdec.train.tasks import make_task
 
@@ -494,14 +495,26 @@ def test_bad_checkpoints_are_clear_errors(work, data_dir, target, tmp_path):
 
 def test_cached_features_equal_online_ones(data_dir, target, tmp_path):
     drafters.available()
-    task = make_task("eagle3", target, {"ttt_steps": 1})
+    task = make_task("eagle3", target, {"ttt_steps": 1, "taps": [1]})
     arrays = D.load_distill_data(data_dir).padded(192, 2)  # longer than any example: the build cuts each batch
     small = {k: v[:5] for k, v in arrays.items()}
     assert small["lengths"].max() <= 128
-    cache = build_feature_cache(target, small, task.taps, True, tmp_path / "f", dtype="float32", batch_size=2,
+    # a cache of more layers than the task's (as the block drafters' cache serves an EAGLE-3 run): it is found
+    # under the features folder and read by layer
+    every = tuple(range(target.cfg.num_layers + 1))
+    cache = build_feature_cache(target, small, every, True, tmp_path / "f" / "wide", dtype="float32", batch_size=2,
                                 progress=False)
     stored = cache.stored
+    assert stored == every and set(task.taps) < set(every)
     assert cache.bytes_per_token == len(stored) * target.cfg.hidden_size * 4
+    expect = {k: cache.meta[k] for k in ("target", "seq_len", "data", "dtype")}
+    needed = (*task.taps, target.cfg.num_layers)
+    assert find_feature_cache(tmp_path / "f", expect, needed).path == cache.path
+    assert find_feature_cache(tmp_path / "f", {**expect, "seq_len": 64}, needed) is None  # other data: not it
+    absent = target.cfg.num_layers + 1
+    assert find_feature_cache(tmp_path / "f", expect, (absent,)) is None
+    with pytest.raises(ValueError, match=rf"holds layers .* also needs \[{absent}\]"):
+        open_feature_cache(cache.path, expect, (absent,))
     # every row, whichever length-sorted batch and cut width the build gave it, against the full-width online pass
     rows = np.arange(5)
     feats = jax.jit(lambda tp, f: cached_features(tp, target.cfg, f, task.taps, stored, True))(

@@ -103,8 +103,10 @@ def data_fingerprint(tokens: np.ndarray, lengths: np.ndarray) -> str:
     return digest.hexdigest()[:16]
 
 
-def open_feature_cache(path: str | os.PathLike, expect: dict[str, Any] | None = None) -> FeatureCache | None:
-    """The cache at `path`, or None if it is absent/incomplete. `expect`: meta values that must match."""
+def open_feature_cache(path: str | os.PathLike, expect: dict[str, Any] | None = None,
+                       needed: tuple[int, ...] = ()) -> FeatureCache | None:
+    """The cache at `path`, or None if it is absent/incomplete. `expect`: meta values that must match;
+    `needed`: layers the cache must hold (it may hold more: `cached_features` picks them by layer)."""
     p = Path(path)
     if not (p / "meta.json").is_file():
         return None
@@ -113,10 +115,25 @@ def open_feature_cache(path: str | os.PathLike, expect: dict[str, Any] | None = 
         if meta.get(key) != value:
             raise ValueError(f"feature cache {p} was built for {key}={meta.get(key)!r}, this run needs {value!r}; "
                              "delete it or set train.features_dir elsewhere")
+    missing = sorted(set(needed) - set(meta["stored_taps"]))
+    if missing:
+        raise ValueError(f"feature cache {p} holds layers {meta['stored_taps']}, this run also needs {missing}; "
+                         "delete it or set train.features_dir elsewhere")
     offsets = np.load(p / "offsets.npy")
     array = np.memmap(p / "taps.bin", dtype=meta["dtype"], mode="r",
                       shape=(meta["num_tokens"], len(meta["stored_taps"]), meta["hidden_size"]))
     return FeatureCache(p, meta, offsets, array)
+
+
+def find_feature_cache(root: str | os.PathLike, expect: dict[str, Any], needed: tuple[int, ...]) -> FeatureCache | None:
+    """A finished cache under `root` (one folder per cache) whose meta matches `expect` and that holds every layer
+    of `needed`; the one storing the fewest layers (the least to read per token) if several do."""
+    found = []
+    for meta_path in sorted(Path(root).glob("*/meta.json")):
+        meta = json.loads(meta_path.read_text())
+        if all(meta.get(k) == v for k, v in expect.items()) and set(needed) <= set(meta["stored_taps"]):
+            found.append((len(meta["stored_taps"]), str(meta_path.parent)))
+    return open_feature_cache(min(found)[1], expect, needed) if found else None
 
 
 def build_feature_cache(target, arrays: dict[str, np.ndarray], taps: tuple[int, ...], logits: bool,

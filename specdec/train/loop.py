@@ -47,7 +47,8 @@ from specdec.tracking import Tracker
 from specdec.train import checkpoint as ckpt_lib
 from specdec.train.data import DistillData
 from specdec.train.features import (FeatureCache, build_feature_cache, cached_features, data_fingerprint,
-                                    online_features, open_feature_cache, stored_taps)
+                                    find_feature_cache, online_features, open_feature_cache,
+                                    stored_taps)
 from specdec.train.tasks import TrainTask, expected_tau_sums, slot_valid, tree_size
 
 
@@ -266,18 +267,25 @@ def open_features(task: TrainTask, target, cfg, run: Path, examples: Examples, p
     logits = True  # eval needs logits, so the cache always keeps the last layer
     stored = stored_taps(task.taps, target.cfg.num_layers, logits)
     arrays, seq_len = examples.arrays, cfg.seq_len
+    root = Path(cfg.data_dir or run) / "features"
     fdir = Path(cfg.features_dir) if cfg.features_dir else (
-        Path(cfg.data_dir or run) / "features" / f"taps{'-'.join(map(str, stored))}_len{seq_len}_{cfg.features_dtype}")
-    expect = {"stored_taps": list(stored), "target": target.cfg.name, "seq_len": seq_len,
-              "data": data_fingerprint(arrays["tokens"], arrays["lengths"]), "dtype": cfg.features_dtype}
-    cache = open_feature_cache(fdir, expect)
+        root / f"taps{'-'.join(map(str, stored))}_len{seq_len}_{cfg.features_dtype}")
+    same = {"target": target.cfg.name, "seq_len": seq_len,
+            "data": data_fingerprint(arrays["tokens"], arrays["lengths"]), "dtype": cfg.features_dtype}
+    cache = open_feature_cache(fdir, same, needed=stored)
+    if cache is None and not cfg.features_dir:
+        # any finished cache of the same data that holds these layers (e.g. the block drafters' six taps for an
+        # EAGLE-3 run on three of them): one target pass serves every drafter trained on the data
+        cache = find_feature_cache(root, same, stored)
+        if cache is not None:
+            log(f"reusing the feature cache {cache.path} (layers {cache.stored} hold this run's {stored})")
     if cache is None:
         log(f"caching target features ({len(stored)} taps: {stored}) in {fdir}")
         cache = build_feature_cache(target, arrays, task.taps, logits, fdir, dtype=cfg.features_dtype,
                                     batch_size=cfg.batch_size, progress=progress)
     log(f"feature cache: {cache.bytes_per_token} bytes/token, {cache.meta['num_tokens']} tokens, "
-        f"{cache.bytes_per_token * cache.meta['num_tokens'] / 1e6:.1f} MB ({fdir})")
-    return stored, cache
+        f"{cache.bytes_per_token * cache.meta['num_tokens'] / 1e6:.1f} MB ({cache.path})")
+    return cache.stored, cache
 
 
 # ---------------------------------------------------------------------------------------------------------
