@@ -110,18 +110,25 @@ def adaptive_plan(spec: LoopSpec, state: LoopState) -> jax.Array:
                                remaining=state.limit - state.num_new, ordered=spec.drafter.ordered_tree)
 
 
-def adaptive_refine(spec: LoopSpec, state: LoopState, draft: Draft, planned, drafted) -> tuple[Draft, LoopState]:
+def refine_width(spec: LoopSpec, sched, done, remaining, draft: Draft, planned, drafted):
+    """(draft cut to the width that pays, scheduler state): `adaptive_refine` on the fields it reads."""
     # The draft's lengths may steer the width under greedy decoding, and when sampling only if the draft is
     # deterministic (probs=None: a function of the committed context, never of this round's random draws).
     look = spec.sampling.greedy or draft.probs is None
-    draft, sched = spec.scheduler.refine(state.sched, draft, planned, drafted, spec.verify_widths, ~state.done,
-                                         look, spec.drafter.kind == "tree", remaining=state.limit - state.num_new,
-                                         ordered=spec.drafter.ordered_tree)
+    return spec.scheduler.refine(sched, draft, planned, drafted, spec.verify_widths, ~done, look,
+                                 spec.drafter.kind == "tree", remaining=remaining, ordered=spec.drafter.ordered_tree)
+
+
+def adaptive_refine(spec: LoopSpec, state: LoopState, draft: Draft, planned, drafted) -> tuple[Draft, LoopState]:
+    draft, sched = refine_width(spec, state.sched, state.done, state.limit - state.num_new, draft, planned, drafted)
     return draft, dataclasses.replace(state, sched=sched)
 
 
 _jit_plan = jax.jit(adaptive_plan, static_argnames=("spec",))
-_jit_refine = jax.jit(adaptive_refine, static_argnames=("spec",))
+# The host-stepped loop refines outside a compiled loop: on the scheduler's fields alone, since a jitted function
+# that returned the whole LoopState would copy the KV cache into its output (~15 ms a round at batch 8).
+_jit_refine = jax.jit(lambda spec, sched, done, limit, num_new, draft, planned, drafted: refine_width(
+    spec, sched, done, limit - num_new, draft, planned, drafted), static_argnames=("spec",))
 
 
 def propose_adaptive(spec: LoopSpec, dparams, state: LoopState, key) -> tuple[Draft, LoopState]:
@@ -142,8 +149,9 @@ def propose_adaptive(spec: LoopSpec, dparams, state: LoopState, key) -> tuple[Dr
             draft = Draft.chain(jnp.zeros((batch, drafter.num_draft_tokens), jnp.int32),
                                 valid=jnp.zeros((batch, drafter.num_draft_tokens), bool))
             dstate = state.drafter_state
-        return _jit_refine(spec, dataclasses.replace(state, drafter_state=dstate), draft, planned,
-                           jnp.asarray(drafted))
+        draft, sched = _jit_refine(spec, state.sched, state.done, state.limit, state.num_new, draft, planned,
+                                   jnp.asarray(drafted))
+        return draft, dataclasses.replace(state, drafter_state=dstate, sched=sched)
     shapes = jax.eval_shape(run)
     planned = adaptive_plan(spec, state)
     if drafter.skippable:
@@ -382,9 +390,11 @@ def compiled_loop(spec: LoopSpec, tparams, dparams, state: LoopState) -> LoopSta
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
+# verify and update donate the state they return (else XLA copies the KV cache into the output); propose does not,
+# since analyses (specdec.testing, benchmarks/bench_draft_cost.py) draft again from the same state.
 _jit_propose = jax.jit(propose, static_argnames=("spec",))
 _jit_verify = jax.jit(verify_and_commit, static_argnames=("spec",), donate_argnames=("state",))
-_jit_update = jax.jit(update, static_argnames=("spec",))
+_jit_update = jax.jit(update, static_argnames=("spec",), donate_argnames=("state",))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "capacity"))
