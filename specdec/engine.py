@@ -85,10 +85,11 @@ def _context(state: LoopState) -> RoundContext:
     return RoundContext(seq=state.seq, seq_len=state.seq_len, done=state.done)
 
 
-def propose(spec: LoopSpec, dparams, state: LoopState):
+def propose(spec: LoopSpec, dparams, state: LoopState, planned=None):
+    """`planned`: the adaptive width's plan for this state, when the host-stepped loop has already made it."""
     key, sub = jax.random.split(state.key)
     if isinstance(spec.scheduler, AdaptiveWidth):
-        return propose_adaptive(spec, dparams, dataclasses.replace(state, key=key), sub)
+        return propose_adaptive(spec, dparams, dataclasses.replace(state, key=key), sub, planned)
     draft, dstate = spec.drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, sub)
     if spec.scheduler is not None:  # per-row verify lengths: nodes past them become invalid
         draft = spec.scheduler.apply(draft, spec.drafter.draft_confidence(dstate), ~state.done)
@@ -125,23 +126,32 @@ def adaptive_refine(spec: LoopSpec, state: LoopState, draft: Draft, planned, dra
 
 
 _jit_plan = jax.jit(adaptive_plan, static_argnames=("spec",))
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def loop_status(spec: LoopSpec, state: LoopState) -> tuple[jax.Array, jax.Array]:
+    """(every row done, the adaptive width's plan or 0): what the host-stepped loop reads before each round, in one
+    call and one transfer."""
+    plan = adaptive_plan(spec, state) if isinstance(spec.scheduler, AdaptiveWidth) else jnp.int32(0)
+    return jnp.all(state.done), plan
 # The host-stepped loop refines outside a compiled loop: on the scheduler's fields alone, since a jitted function
 # that returned the whole LoopState would copy the KV cache into its output (~15 ms a round at batch 8).
 _jit_refine = jax.jit(lambda spec, sched, done, limit, num_new, draft, planned, drafted: refine_width(
     spec, sched, done, limit - num_new, draft, planned, drafted), static_argnames=("spec",))
 
 
-def propose_adaptive(spec: LoopSpec, dparams, state: LoopState, key) -> tuple[Draft, LoopState]:
+def propose_adaptive(spec: LoopSpec, dparams, state: LoopState, key, planned=None) -> tuple[Draft, LoopState]:
     """Step 1 under the adaptive verify width (specdec/adaptive.py): plan the width from the rows' history, draft
-    only if it is > 0 (and the drafter may skip), then cut the draft to the width that pays."""
+    only if it is > 0 (and the drafter may skip), then cut the draft to the width that pays. `planned`: the plan,
+    if the host-stepped loop made it already (`loop_status`)."""
     drafter = spec.drafter
 
     def run():
         return drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, key)
 
     if not drafter.jittable:  # host-stepped loop: decide on the host, call the drafter only when it drafts
-        planned = _jit_plan(spec, state)
-        drafted = (not drafter.skippable) or spec.verify_widths[int(planned)] > 0
+        planned = np.int32(int(_jit_plan(spec, state)) if planned is None else planned)
+        drafted = (not drafter.skippable) or spec.verify_widths[planned] > 0
         if drafted:
             draft, dstate = run()
         else:  # nothing proposed (a deterministic-looking empty draft: its probs are never read)
@@ -571,12 +581,15 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
         jax.block_until_ready(state)
     else:
         draft_s = verify_s = 0.0
-        propose_fn = _jit_propose if drafter.jittable else propose
         update_fn = _jit_update if drafter.jittable else update
         # a host-side drafter that syncs from the context skips whole runs of width-0 rounds in one call
         bursts = runs_bursts(spec, drafter) and on_round is None
-        while not bool(jnp.all(state.done)):
-            if bursts and int(_jit_plan(spec, state)) == 0:
+        adaptive = isinstance(spec.scheduler, AdaptiveWidth)
+        while True:
+            finished, planned = jax.device_get(loop_status(spec, state))
+            if finished:
+                break
+            if bursts and planned == 0:
                 ta = time.perf_counter()
                 state = host_plain_rounds(spec, target.params, state)
                 jax.block_until_ready(state)
@@ -586,10 +599,13 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
                 draft_s += time.perf_counter() - tb
                 continue
             ta = time.perf_counter()
-            draft, state = propose_fn(spec, drafter.params, state)
+            if drafter.jittable:
+                draft, state = _jit_propose(spec, drafter.params, state)
+            else:
+                draft, state = propose(spec, drafter.params, state, planned if adaptive else None)
             jax.block_until_ready(draft)
             tb = time.perf_counter()
-            active = ~state.done
+            active = ~state.done if on_round is not None else None  # read before verify donates the state
             state, result, taps = _jit_verify(spec, target.params, state, draft)
             jax.block_until_ready(result)
             tc = time.perf_counter()
