@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -38,6 +37,7 @@ import numpy as np
 import yaml
 
 from benchmarks.common import DEFAULT_DATA, SUBSETS, load_prompts
+from benchmarks.snapshot_drafter import snapshot
 from drafters import create_drafter
 from specdec.engine import speculative_generate
 from specdec.export import FORMATS, META_FILE, NotRepresentable, export_run
@@ -52,19 +52,6 @@ from tests.test_export_block import block_round
 
 REL_L2 = 1e-4  # the parity threshold of the export tests
 ROUND_TRIP_TOL = 1e-5  # fc's input blocks are reordered on export, so the round trip is close, not bitwise
-
-
-def freeze(run: Path, out: Path) -> dict:
-    """The run's drafter at its current checkpoint as a drafter.json + params.npz directory `out` (with the run's
-    config.yaml and summary.json for the export's model card), so a run still training cannot move to a newer
-    checkpoint between the export and the comparison. Returns load_drafter's dict."""
-    info = ckpt.load_drafter(run)
-    ckpt.write_drafter_config(out, info["drafter"], info["config"], info["target"])
-    ckpt.export_params(out, info["params"], info["buffers"], info["step"])
-    for name in ("config.yaml", "summary.json"):
-        if (run / name).is_file():
-            shutil.copy2(run / name, out / name)
-    return info
 
 
 def target_name(run: Path) -> str | None:
@@ -172,7 +159,7 @@ def round_trip(original, imported, features: list[Features]) -> dict:
 def check_drafter(run: Path, source: Path, info: dict, target, features: list[Features],
                   greedy: tuple[list[list[int]], list[list[int]], int], formats: list[str], model_name: str | None,
                   work: Path) -> list[dict]:
-    """Rows (one per format) for the drafter of `run`, frozen as `source` (`freeze`'s `info`); exports go under
+    """Rows (one per format) for the drafter of `run`, frozen as `source` (`snapshot`'s `info`); exports go under
     `work`. `greedy`: (prompts, their AR greedy outputs, new tokens)."""
     kind, step = info["drafter"], info["step"]
     rows = []
@@ -263,7 +250,8 @@ def main(argv=None) -> int:
         frozen = []
         for i, d in enumerate(args.drafters):  # every drafter read now, before the (slow) target load
             try:
-                frozen.append((d, Path(work) / str(i), freeze(d, Path(work) / str(i) / "source")))
+                # frozen: a run still training cannot move to a newer checkpoint between export and check
+                frozen.append((d, Path(work) / str(i), snapshot(d, Path(work) / str(i) / "source")))
             except ckpt.CheckpointError as e:  # e.g. a run that has not written its first checkpoint yet
                 ap.error(str(e))
         rows = run_checks(args, names.pop(), frozen)

@@ -1,20 +1,26 @@
-"""Keep a training run's drafter at one checkpoint step as a drafter directory (drafter.json + params.npz).
+"""Freeze a training run's drafter into a drafter directory (drafter.json + params.npz) that no training job moves.
 
 A run keeps only its newest `train.keep_checkpoints` states, so a learning curve measured in the engine (tau
-against training tokens, docs/TRAINING.md) snapshots the steps it needs while the run goes on:
+against training tokens, docs/TRAINING.md) snapshots the steps it needs while the run goes on; the export and tau
+checks (benchmarks/export_parity.py, benchmarks/tau_agreement.py) freeze the drafter they read the same way:
 
     python -m benchmarks.snapshot_drafter runs/train/dspark_mix runs/snapshots/dspark_mix_step350 [--step 350]
 
-Without --step: the latest checkpoint. The snapshot loads like any drafter (`drafter.path`); its
-drafter.json also records the step and the examples seen at that step. `--float16` stores the weight matrices
-(parameters of 2 or more dimensions) as float16, which halves the file (the shipped drafter in drafters/trained/
-is written so); vectors (norm scales, biases) and buffers stay as trained. The drafter upcasts on load.
+Without --step: the run's final weights (params.npz, with DSpark's calibrated confidences) if it finished, else
+its newest checkpoint (also when a resumed run has checkpoints newer than the params.npz of its interruption).
+The snapshot loads like any drafter (`drafter.path`); its drafter.json also records the run, the step, the
+weights' source and (from a checkpoint) the examples seen at that step. The run's config.yaml is copied beside
+it, and its summary.json with the final weights (an export's model card reads them). `--float16` stores the
+weight matrices (parameters of 2 or more dimensions) as float16, which halves the file (the shipped drafter in
+drafters/trained/ is written so); vectors (norm scales, biases) and buffers stay as trained. The drafter upcasts
+on load.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -28,31 +34,71 @@ def halved(params):
     return jax.tree.map(lambda x: np.asarray(x, np.float16) if np.ndim(x) >= 2 else x, params)
 
 
-def snapshot(run: Path, out: Path, step: int | None = None, float16: bool = False) -> Path:
-    info = json.loads((run / ckpt.DRAFTER_FILE).read_text())
+def _params_step(run: Path) -> int:
+    with np.load(run / ckpt.PARAMS_FILE) as z:
+        return int(z["step"]) if "step" in z.files else -1
+
+
+def _newest_checkpoint(run: Path) -> int:
+    """The newest checkpoint's step (-1: none). A run that was interrupted and resumed has a params.npz from the
+    interruption and newer checkpoints since."""
+    if not (run / ckpt.CHECKPOINTS).is_dir():
+        return -1
     store = ckpt.CheckpointStore(run / ckpt.CHECKPOINTS, create=False)
     try:
-        state, meta = store.restore(step)
+        newest = store.latest_step()
     finally:
         store.close()
+    return -1 if newest is None else newest
+
+
+def snapshot(run: Path, out: Path, step: int | None = None, float16: bool = False) -> dict:
+    """Write the run's drafter at `step` (None: its final weights, see the module doc) into `out`; returns
+    `checkpoint.load_drafter`'s dict of what was written (params, buffers, step, source)."""
+    run, out = Path(run), Path(out)
+    final = step is None and (run / ckpt.PARAMS_FILE).is_file() and _params_step(run) >= _newest_checkpoint(run)
+    if final or not (run / ckpt.CHECKPOINTS).is_dir():
+        if step is not None:
+            raise ckpt.CheckpointError(f"{run} has no {ckpt.CHECKPOINTS}/ to read step {step} from")
+        info, seen = ckpt.load_drafter(run), None  # params.npz, or an error naming what is missing
+    else:
+        meta_info = json.loads((run / ckpt.DRAFTER_FILE).read_text())
+        store = ckpt.CheckpointStore(run / ckpt.CHECKPOINTS, create=False)
+        try:
+            state, meta = store.restore(step)
+        finally:
+            store.close()
+        info = {"drafter": meta_info["drafter"], "config": meta_info["config"], "target": meta_info.get("target", {}),
+                "params": state["params"], "buffers": state.get("buffers", {}), "step": int(meta["step"]),
+                "source": f"{run / ckpt.CHECKPOINTS} (step {int(meta['step'])})"}
+        seen = int(meta.get("epoch", 0)) * int(meta.get("train_examples", 0)) + int(meta.get("cursor", 0))
     out.mkdir(parents=True, exist_ok=True)
-    seen = int(meta.get("epoch", 0)) * int(meta.get("train_examples", 0)) + int(meta.get("cursor", 0))
-    info["snapshot"] = {"run": str(run), "step": int(meta["step"]), "examples_seen": seen}
-    (out / ckpt.DRAFTER_FILE).write_text(json.dumps(info, indent=2))
-    params = halved(state["params"]) if float16 else state["params"]
-    ckpt.export_params(out, params, state.get("buffers", {}), int(meta["step"]))
-    return out
+    ckpt.write_drafter_config(out, info["drafter"], info["config"], info["target"])
+    written = json.loads((out / ckpt.DRAFTER_FILE).read_text())
+    written["snapshot"] = {"run": str(run), "step": info["step"], "source": info["source"],
+                           **({"examples_seen": seen} if seen is not None else {})}
+    (out / ckpt.DRAFTER_FILE).write_text(json.dumps(written, indent=2))
+    params = halved(info["params"]) if float16 else info["params"]
+    ckpt.export_params(out, params, info["buffers"], info["step"])
+    # the run's config holds at every step; its summary (final eval, steps) only for the final weights
+    for name in ("config.yaml", "summary.json") if final else ("config.yaml",):
+        if (run / name).is_file() and run.resolve() != out.resolve():
+            shutil.copy2(run / name, out / name)
+    return info
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", type=Path, help="a training run directory (with checkpoints/)")
+    ap.add_argument("run", type=Path, help="a training run directory (checkpoints/ and/or params.npz)")
     ap.add_argument("out", type=Path)
-    ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    ap.add_argument("--step", type=int, help="checkpoint step (default: the final weights, else the newest checkpoint)")
     ap.add_argument("--float16", action="store_true", help="store the weight matrices as float16")
     args = ap.parse_args(argv)
-    out = snapshot(args.run, args.out, args.step, args.float16)
-    print(f"wrote {out}: {json.loads((out / ckpt.DRAFTER_FILE).read_text())['snapshot']}")
+    try:
+        snapshot(args.run, args.out, args.step, args.float16)
+    except ckpt.CheckpointError as e:
+        raise SystemExit(str(e)) from None
+    print(f"wrote {args.out}: {json.loads((args.out / ckpt.DRAFTER_FILE).read_text())['snapshot']}")
 
 
 if __name__ == "__main__":

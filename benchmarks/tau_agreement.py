@@ -99,24 +99,18 @@ def check_drafter_dir(drafter_dir: Path) -> None:
 
 
 def frozen_drafter(drafter_dir: Path, step: int | None, tmp: Path) -> tuple[Path, str]:
-    """A drafter directory that does not change while we read it, and where its weights came from.
-
-    A finished run or a drafter directory has params.npz and is used as it is. An unfinished run (a training job
-    may be writing and deleting checkpoints right now) is snapshotted once at its newest checkpoint (or `step`),
-    so the engine and the teacher-forced evaluation load the very same weights."""
+    """(a copy of the drafter that no training job moves while we read it, where its weights came from): the
+    final weights of a finished run or drafter directory, else the newest checkpoint (or `step`), so the engine
+    and the teacher-forced evaluation load the very same weights."""
     from benchmarks.snapshot_drafter import snapshot
     from specdec.train import checkpoint as ckpt
 
     check_drafter_dir(drafter_dir)
-    has_checkpoints = (drafter_dir / ckpt.CHECKPOINTS).is_dir()
-    if step is None and (drafter_dir / ckpt.PARAMS_FILE).is_file():
-        return drafter_dir, str(drafter_dir / ckpt.PARAMS_FILE)
-    if not has_checkpoints:
-        what = f"at step {step} (no checkpoints/)" if step is not None else "(no params.npz, no checkpoints/)"
-        raise SystemExit(f"{drafter_dir} has no weights to read {what}")
-    out = snapshot(drafter_dir, tmp / "drafter", step)
-    taken = json.loads((out / ckpt.DRAFTER_FILE).read_text())["snapshot"]["step"]
-    return out, f"{drafter_dir / ckpt.CHECKPOINTS} (step {taken})"
+    try:
+        info = snapshot(drafter_dir, tmp / "drafter", step)
+    except ckpt.CheckpointError as e:
+        raise SystemExit(f"{drafter_dir}: {e}") from None
+    return tmp / "drafter", info["source"]
 
 
 def heldout_split(data, cfg: dict | None, data_dir: Path, eval_examples: int | None) -> tuple[np.ndarray, int]:

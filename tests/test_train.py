@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import drafters
+from benchmarks.snapshot_drafter import snapshot
 from drafters import create_drafter
 from experiments import cli
 from experiments.build import build_target
@@ -427,8 +428,19 @@ def test_sigterm_saves_a_checkpoint_like_ctrl_c(work, data_dir, target):
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is the run's only
     assert ckpt.CheckpointStore(run / "checkpoints").steps() == [50, 75]
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    # a snapshot of the interrupted run: its newest weights, or any kept step
+    assert snapshot(run, work / "snap75")["step"] == 75
+    info = snapshot(run, work / "snap50", step=50)
+    assert info["step"] == 50 and "checkpoints (step 50)" in info["source"]
+    assert json.loads((work / "snap50" / ckpt.DRAFTER_FILE).read_text())["snapshot"]["examples_seen"] == 50 * cfg.train.batch_size
+    assert ckpt.load_drafter(work / "snap50")["step"] == 50 and not (work / "snap50" / "summary.json").exists()
     summary = train(task, target, data, cfg.train, run, progress=False, eval_draft_len=3, log=lambda s: None)
     assert summary["resumed_from"] == 75 and summary["steps"] == 200 and summary["status"] == "complete"
+    assert snapshot(run, work / "snap200")["source"].endswith("params.npz")  # the final weights
+    # a params.npz older than the newest checkpoint (a resumed run still training): the checkpoint wins
+    final = ckpt.load_drafter(run)
+    ckpt.export_params(run, final["params"], final["buffers"], 120)
+    assert snapshot(run, work / "snap_newest")["step"] == 200
 
 
 def test_init_from_a_trained_drafter_starts_from_its_weights(work, data_dir, target):
