@@ -56,28 +56,15 @@ def snapshot(run: Path, out: Path, step: int | None = None, float16: bool = Fals
     """Write the run's drafter at `step` (None: its final weights, see the module doc) into `out`; returns
     `checkpoint.load_drafter`'s dict of what was written (params, buffers, step, source)."""
     run, out = Path(run), Path(out)
-    final = step is None and (run / ckpt.PARAMS_FILE).is_file() and _params_step(run) >= _newest_checkpoint(run)
-    if final or not (run / ckpt.CHECKPOINTS).is_dir():
-        if step is not None:
-            raise ckpt.CheckpointError(f"{run} has no {ckpt.CHECKPOINTS}/ to read step {step} from")
-        info, seen = ckpt.load_drafter(run), None  # params.npz, or an error naming what is missing
-    else:
-        meta_info = json.loads((run / ckpt.DRAFTER_FILE).read_text())
-        store = ckpt.CheckpointStore(run / ckpt.CHECKPOINTS, create=False)
-        try:
-            state, meta = store.restore(step)
-        finally:
-            store.close()
-        info = {"drafter": meta_info["drafter"], "config": meta_info["config"], "target": meta_info.get("target", {}),
-                "params": state["params"], "buffers": state.get("buffers", {}), "step": int(meta["step"]),
-                "source": f"{run / ckpt.CHECKPOINTS} (step {int(meta['step'])})"}
-        seen = int(meta.get("epoch", 0)) * int(meta.get("train_examples", 0)) + int(meta.get("cursor", 0))
+    if step is None and (run / ckpt.PARAMS_FILE).is_file() and _params_step(run) < _newest_checkpoint(run):
+        step = _newest_checkpoint(run)  # a resumed run still training: its params.npz is from the interruption
+    info = ckpt.load_drafter(run, step=step)
+    final = info["source"] == str(run / ckpt.PARAMS_FILE)
+    snap = {"run": str(run), "step": info["step"], "source": info["source"],
+            **({"examples_seen": info["examples_seen"]} if "examples_seen" in info else {})}
     out.mkdir(parents=True, exist_ok=True)
-    ckpt.write_drafter_config(out, info["drafter"], info["config"], info["target"])
-    written = json.loads((out / ckpt.DRAFTER_FILE).read_text())
-    written["snapshot"] = {"run": str(run), "step": info["step"], "source": info["source"],
-                           **({"examples_seen": seen} if seen is not None else {})}
-    (out / ckpt.DRAFTER_FILE).write_text(json.dumps(written, indent=2))
+    (out / ckpt.DRAFTER_FILE).write_text(json.dumps({"drafter": info["drafter"], "config": info["config"],
+                                                     "target": info["target"], "snapshot": snap}, indent=2))
     params = halved(info["params"]) if float16 else info["params"]
     ckpt.export_params(out, params, info["buffers"], info["step"])
     # the run's config holds at every step; its summary (final eval, steps) only for the final weights

@@ -134,6 +134,8 @@ def loop_status(spec: LoopSpec, state: LoopState) -> tuple[jax.Array, jax.Array]
     call and one transfer."""
     plan = adaptive_plan(spec, state) if isinstance(spec.scheduler, AdaptiveWidth) else jnp.int32(0)
     return jnp.all(state.done), plan
+
+
 # The host-stepped loop refines outside a compiled loop: on the scheduler's fields alone, since a jitted function
 # that returned the whole LoopState would copy the KV cache into its output (~15 ms a round at batch 8).
 _jit_refine = jax.jit(lambda spec, sched, done, limit, num_new, draft, planned, drafted: refine_width(

@@ -432,7 +432,8 @@ def test_sigterm_saves_a_checkpoint_like_ctrl_c(work, data_dir, target):
     assert snapshot(run, work / "snap75")["step"] == 75
     info = snapshot(run, work / "snap50", step=50)
     assert info["step"] == 50 and "checkpoints (step 50)" in info["source"]
-    assert json.loads((work / "snap50" / ckpt.DRAFTER_FILE).read_text())["snapshot"]["examples_seen"] == 50 * cfg.train.batch_size
+    seen = json.loads((work / "snap50" / ckpt.DRAFTER_FILE).read_text())["snapshot"]["examples_seen"]
+    assert seen == 50 * cfg.train.batch_size
     assert ckpt.load_drafter(work / "snap50")["step"] == 50 and not (work / "snap50" / "summary.json").exists()
     summary = train(task, target, data, cfg.train, run, progress=False, eval_draft_len=3, log=lambda s: None)
     assert summary["resumed_from"] == 75 and summary["steps"] == 200 and summary["status"] == "complete"

@@ -139,11 +139,14 @@ def export_params(run_dir: str | os.PathLike, params: Any, buffers: Any, step: i
     return path
 
 
-def load_drafter(path: str | os.PathLike, expect_name: str | None = None) -> dict:
-    """{"drafter", "config", "target", "params", "buffers", "step", "source"} of a trained drafter."""
+def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: int | None = None) -> dict:
+    """{"drafter", "config", "target", "params", "buffers", "step", "source"} of a trained drafter: its params.npz
+    if it has one, else its newest checkpoint; `step`: that checkpoint (then also "examples_seen")."""
     p = Path(os.path.expanduser(str(path)))
     if not p.exists():
         raise CheckpointError(f"drafter checkpoint {p} does not exist")
+    if step is not None and not (p / CHECKPOINTS).is_dir():
+        raise CheckpointError(f"{p} has no {CHECKPOINTS}/ to read step {step} from")
     if not (p / DRAFTER_FILE).is_file() and (p / EXPORT_CONFIG).is_file():
         from specdec.export import load_export  # a drafter exported for vLLM / SGLang (specdec/export)
 
@@ -159,7 +162,8 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None) -> dic
         raise CheckpointError(f"{p / DRAFTER_FILE} is corrupt ({type(e).__name__}: {e})") from None
     if expect_name is not None and name != expect_name:
         raise CheckpointError(f"{p} holds a {name!r} drafter, not {expect_name!r}")
-    if (p / PARAMS_FILE).is_file():
+    extra = {}
+    if step is None and (p / PARAMS_FILE).is_file():
         try:
             with np.load(p / PARAMS_FILE) as z:
                 flat = {k: z[k] for k in z.files}
@@ -170,14 +174,18 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None) -> dic
         params, buffers = tree.get("params", {}), tree.get("buffers", {})
     elif (p / CHECKPOINTS).is_dir():
         store = CheckpointStore(p / CHECKPOINTS, create=False)
-        state, meta = store.restore()
-        store.close()
+        try:
+            state, meta = store.restore(step)
+        finally:
+            store.close()
         params, buffers, step = state["params"], state.get("buffers", {}), int(meta["step"])
         source = f"{p / CHECKPOINTS} (step {step})"
+        extra["examples_seen"] = (int(meta.get("epoch", 0)) * int(meta.get("train_examples", 0))
+                                  + int(meta.get("cursor", 0)))
     else:
         raise CheckpointError(f"{p} has {DRAFTER_FILE} but no weights ({PARAMS_FILE} or {CHECKPOINTS}/)")
     return {"drafter": name, "config": config, "target": target, "params": params, "buffers": buffers or {},
-            "step": step, "source": source}
+            "step": step, "source": source, **extra}
 
 
 def load_trained(path: str | os.PathLike | None, name: str, target, config_stem: str) -> dict:
