@@ -34,31 +34,11 @@ def halved(params):
     return jax.tree.map(lambda x: np.asarray(x, np.float16) if np.ndim(x) >= 2 else x, params)
 
 
-def _params_step(run: Path) -> int:
-    with np.load(run / ckpt.PARAMS_FILE) as z:
-        return int(z["step"]) if "step" in z.files else -1
-
-
-def _newest_checkpoint(run: Path) -> int:
-    """The newest checkpoint's step (-1: none). A run that was interrupted and resumed has a params.npz from the
-    interruption and newer checkpoints since."""
-    if not (run / ckpt.CHECKPOINTS).is_dir():
-        return -1
-    store = ckpt.CheckpointStore(run / ckpt.CHECKPOINTS, create=False)
-    try:
-        newest = store.latest_step()
-    finally:
-        store.close()
-    return -1 if newest is None else newest
-
-
 def snapshot(run: Path, out: Path, step: int | None = None, float16: bool = False) -> dict:
     """Write the run's drafter at `step` (None: its final weights, see the module doc) into `out`; returns
     `checkpoint.load_drafter`'s dict of what was written (params, buffers, step, source)."""
     run, out = Path(run), Path(out)
-    if step is None and (run / ckpt.PARAMS_FILE).is_file() and _params_step(run) < _newest_checkpoint(run):
-        step = _newest_checkpoint(run)  # a resumed run still training: its params.npz is from the interruption
-    info = ckpt.load_drafter(run, step=step)
+    info = ckpt.load_drafter(run, step=step)  # a resumed run still training: its newest checkpoint
     final = info["source"] == str(run / ckpt.PARAMS_FILE)
     snap = {"run": str(run), "step": info["step"], "source": info["source"],
             **({"examples_seen": info["examples_seen"]} if "examples_seen" in info else {})}

@@ -24,7 +24,7 @@ from benchmarks.snapshot_drafter import snapshot
 from drafters import create_drafter
 from experiments import cli
 from experiments.build import build_target
-from specdec.config import load_config, to_dict
+from specdec.config import load_config
 from specdec.engine import speculative_generate
 from specdec import generate as G
 from specdec.generate import generate
@@ -442,6 +442,7 @@ def test_sigterm_saves_a_checkpoint_like_ctrl_c(work, data_dir, target):
     final = ckpt.load_drafter(run)
     ckpt.export_params(run, final["params"], final["buffers"], 120)
     assert snapshot(run, work / "snap_newest")["step"] == 200
+    assert ckpt.load_drafter(run)["step"] == 200  # also for `drafter.path=<run>`
 
 
 def test_init_from_a_trained_drafter_starts_from_its_weights(work, data_dir, target):

@@ -141,7 +141,9 @@ def export_params(run_dir: str | os.PathLike, params: Any, buffers: Any, step: i
 
 def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: int | None = None) -> dict:
     """{"drafter", "config", "target", "params", "buffers", "step", "source"} of a trained drafter: its params.npz
-    if it has one, else its newest checkpoint; `step`: that checkpoint (then also "examples_seen")."""
+    if it has one, else its newest checkpoint; `step`: that checkpoint (then also "examples_seen"). A run that was
+    interrupted and resumed has a params.npz from the interruption and newer checkpoints since: then the newest
+    checkpoint, not the stale weights."""
     p = Path(os.path.expanduser(str(path)))
     if not p.exists():
         raise CheckpointError(f"drafter checkpoint {p} does not exist")
@@ -163,6 +165,10 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: 
     if expect_name is not None and name != expect_name:
         raise CheckpointError(f"{p} holds a {name!r} drafter, not {expect_name!r}")
     extra = {}
+    if step is None and (p / PARAMS_FILE).is_file() and (p / CHECKPOINTS).is_dir():
+        newest = _newest_checkpoint(p)
+        if newest is not None and newest > _params_step(p):
+            step = newest  # a resumed run still training: its params.npz is from the interruption
     if step is None and (p / PARAMS_FILE).is_file():
         try:
             with np.load(p / PARAMS_FILE) as z:
@@ -186,6 +192,22 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: 
         raise CheckpointError(f"{p} has {DRAFTER_FILE} but no weights ({PARAMS_FILE} or {CHECKPOINTS}/)")
     return {"drafter": name, "config": config, "target": target, "params": params, "buffers": buffers or {},
             "step": step, "source": source, **extra}
+
+
+def _params_step(run: Path) -> int:
+    try:
+        with np.load(run / PARAMS_FILE) as z:
+            return int(z["step"]) if "step" in z.files else -1
+    except Exception as e:
+        raise CheckpointError(f"{run / PARAMS_FILE} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _newest_checkpoint(run: Path) -> int | None:
+    store = CheckpointStore(run / CHECKPOINTS, create=False)
+    try:
+        return store.latest_step()
+    finally:
+        store.close()
 
 
 def load_trained(path: str | os.PathLike | None, name: str, target, config_stem: str) -> dict:
