@@ -192,6 +192,13 @@ class AdaptiveWidth:
     # replay a run with another machine's costs, or in tests. None: measure (cached).
     costs: tuple[tuple[float, ...], float] | None = None
     cost_path: str | None = None  # JSON cache of measured round costs (default: the specdec cache dir)
+    # Slow start: a row's estimates count only the draft positions up to twice the deepest one it has ever had
+    # accepted (pooled over evidence classes; at least position 1), so its first verified rounds are narrow and
+    # the width doubles as deeper drafts are accepted. The optimistic prior alone valued every position of a
+    # fresh row's first draft at 1: on open text at batch 1 suffix decoding verified ~5 rounds per 64-token
+    # answer at widths 3-7, each costing up to ~2 plain rounds, and lost 12% to AR (docs/BENCHMARKS.md
+    # session 19). False: value every position from the first round.
+    slow_start: bool = False
 
     kind = "adaptive"
     needs_confidence = False
@@ -279,8 +286,18 @@ class AdaptiveWidth:
         return jnp.stack(rates, axis=1)
 
     def survival(self, st: AdaptiveState, evidence: jax.Array | None = None) -> jax.Array:
-        """P(positions 1..j all accepted | drafted), from the conditional estimates: [B, N]."""
-        return jnp.cumprod(self.acceptance(st, evidence), axis=1)
+        """P(positions 1..j all accepted | drafted), from the conditional estimates: [B, N] (0 past a row's
+        slow-start reach)."""
+        survival = jnp.cumprod(self.acceptance(st, evidence), axis=1)
+        return jnp.where(self.reach(st), survival, 0.0) if self.slow_start else survival
+
+    def reach(self, st: AdaptiveState) -> jax.Array:
+        """bool [B, N]: the draft positions `slow_start` lets a row value: up to twice the deepest position it
+        has had accepted in any evidence class (counts decay but never reach 0), at least position 1."""
+        n = st.hits.shape[2]
+        depth = jnp.arange(1, n + 1)
+        deepest = jnp.max(jnp.where(jnp.sum(st.hits, axis=1) > 0, depth[None, :], 0), axis=1)  # [B]
+        return depth[None, :] <= jnp.maximum(2 * deepest, 1)[:, None]
 
     def calibration(self, st: AdaptiveState) -> jax.Array:
         """[N]: realised / expected accepted drafts at each draft position over the recent verified rounds (one

@@ -161,6 +161,32 @@ def test_observe_counts_reached_and_accepted_positions():
         assert np.array_equal(getattr(same, name), getattr(st, name)), name
 
 
+def test_slow_start_widens_only_after_deeper_acceptances():
+    """With `slow_start`, a row values draft positions up to twice the deepest one it has had accepted (at least
+    position 1): a fresh row verifies the narrowest width, and the width doubles as deeper drafts are accepted."""
+    widths, active = (0, 1, 3, 7), jnp.asarray([True])
+    costs = ((1.0, 1.1, 1.2, 1.3), 0.0)  # cheap verification: without slow start a fresh row goes wide
+    fresh = state_with(AdaptiveWidth(), [[0] * 7], [[0] * 7], [[0] * 7], [[0]], costs)
+    assert int(AdaptiveWidth().plan(fresh, widths, active, tree=False)) == 3
+    slow = AdaptiveWidth(slow_start=True)
+    assert np.asarray(slow.reach(fresh)).tolist() == [[True] + [False] * 6]
+    np.testing.assert_allclose(np.asarray(slow.survival(fresh))[0], [1, 0, 0, 0, 0, 0, 0])
+    assert int(slow.plan(fresh, widths, active, tree=False)) == 1
+    # accepted up to position 2 (in any class): positions up to 4 count, so width 3 is the best
+    two = state_with(slow, [[1, 1, 0, 0, 0, 0, 0]], [[1, 1, 1, 0, 0, 0, 0]], [[1] * 7], [[1]], costs)
+    assert np.asarray(slow.reach(two)).tolist() == [[True] * 4 + [False] * 3]
+    assert int(slow.plan(two, widths, active, tree=False)) == 2
+    # refine looks at the class's history too: a 7-node draft is still cut to the reach
+    draft = Draft.chain(jnp.ones((1, 7), jnp.int32))
+    cut, _ = slow.refine(two, draft, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=False)
+    assert np.asarray(cut.valid).tolist() == [[True] * 3 + [False] * 4]
+    # a hit at position 4 reaches all 7; a decayed count still counts (it never reaches 0)
+    deep = state_with(slow, [[1, 1, 1, 0.01, 0, 0, 0]], [[1, 1, 1, 1, 1, 0, 0]], [[1] * 7], [[1]], costs)
+    assert np.asarray(slow.reach(deep)).all()
+    assert int(slow.plan(deep, widths, active, tree=False)) == 3
+    assert make_scheduler(SchedulerConfig(kind="adaptive", slow_start=True)).slow_start
+
+
 def test_calibration_scales_expected_gains_by_realised_over_expected():
     """Each verified round records what the per-row estimates expected of it (uncalibrated) and what it realised;
     their decayed ratio scales every expected gain, so estimates that keep over-promising stop buying widths."""
@@ -476,12 +502,13 @@ def test_free_drafts_with_evidence_keep_greedy_equal_to_ar():
     target = peaky_target(3)
     ar = generate(target, PROMPTS, max_new_tokens=17)
     drafter = create_drafter("ngram", target, 4, max_ngram=2)
-    out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=17,
-                               scheduler=AdaptiveWidth(costs=((1.0, 1.25, 1.6, 1.8), 0.01), explore_every=4,
-                                                       free_draft_max_batch=len(PROMPTS)))
-    assert out.tokens == ar.tokens
-    m = out.metrics
-    assert m.skipped_drafts == 0 and m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, m.width_rounds
+    for slow_start in (False, True):
+        out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=17,
+                                   scheduler=AdaptiveWidth(costs=((1.0, 1.25, 1.6, 1.8), 0.01), explore_every=4,
+                                                           free_draft_max_batch=len(PROMPTS), slow_start=slow_start))
+        assert out.tokens == ar.tokens, slow_start
+        m = out.metrics
+        assert m.skipped_drafts == 0 and m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, m.width_rounds
 
 
 def test_adaptive_sampled_output_matches_target_distribution():
