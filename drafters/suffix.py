@@ -194,12 +194,21 @@ class SuffixDrafter(Drafter):
     ordered_tree = True  # best-first: nodes in non-increasing score order, parents first (grow_tree)
 
     def __init__(self, num_draft_tokens: int, max_match: int = 8, max_depth: int | None = 8,
-                 min_score: float = 0.1, use_global: bool = True):
+                 min_score: float = 0.1, use_global: bool = True, max_spec_factor: float | None = None,
+                 max_spec_offset: float = 0.0):
         max_depth = num_draft_tokens if max_depth is None else max_depth
         if max_match < 1 or max_depth < 1:
             raise ValueError(f"suffix drafter needs max_match >= 1 and max_depth >= 1, got {max_match}, {max_depth}")
         if not 0.0 <= min_score <= 1.0:
             raise ValueError(f"suffix drafter min_score must be in [0, 1], got {min_score}")
+        if max_spec_factor is not None and max_spec_factor <= 0:
+            raise ValueError(f"suffix drafter max_spec_factor must be > 0 (or None: no cap), got {max_spec_factor}")
+        # The paper's adaptive speculation: a tree below a pattern matched over m tokens holds at most
+        # max_spec_factor * m + max_spec_offset nodes (ArcticInference / vLLM default factor 1.0): a one-token
+        # match is weak evidence, so it drafts one node, where a long repeated pattern drafts the whole budget.
+        # None: every tree may use the whole budget.
+        self.max_spec_factor = None if max_spec_factor is None else float(max_spec_factor)
+        self.max_spec_offset = float(max_spec_offset)
         self.num_draft_tokens = num_draft_tokens
         self.max_match, self.max_depth = int(max_match), int(max_depth)
         self.min_score, self.use_global = float(min_score), bool(use_global)
@@ -233,6 +242,13 @@ class SuffixDrafter(Drafter):
                 row.stream = row.index.extend(row.stream, seq[b, row.known: n].tolist())
                 row.known = n
 
+    def budget(self, match_length: int) -> int:
+        """Tree nodes a pattern matched over `match_length` tokens may draft (`max_spec_factor`)."""
+        if self.max_spec_factor is None:
+            return self.num_draft_tokens
+        cap = int(self.max_spec_factor * match_length + self.max_spec_offset)
+        return max(0, min(self.num_draft_tokens, cap))
+
     def draft_row(self, row: _Row, context: Sequence[int]):
         """(tokens, parents, scores, source, match length) for one row whose committed sequence ends with
         `context`."""
@@ -240,12 +256,12 @@ class SuffixDrafter(Drafter):
         best_value = 0.0
         node, length = stream_match(row.stream, self.max_match)
         if node is not None:
-            t, p, s = grow_tree(node, self.num_draft_tokens, self.max_depth, self.min_score)
+            t, p, s = grow_tree(node, self.budget(length), self.max_depth, self.min_score)
             best, best_value = (t, p, s, "request", length), sum(s)
         if self.use_global and self.global_index.num_tokens:
             node, length = self.global_index.match(context, self.max_match)
             if node is not None:
-                t, p, s = grow_tree(node, self.num_draft_tokens, self.max_depth, self.min_score)
+                t, p, s = grow_tree(node, self.budget(length), self.max_depth, self.min_score)
                 if sum(s) > best_value:
                     best = (t, p, s, "global", length)
         return best
@@ -296,11 +312,13 @@ class SuffixDrafter(Drafter):
 
     def describe(self):
         return {**super().describe(), "max_match": self.max_match, "max_depth": self.max_depth,
-                "min_score": self.min_score, "use_global": self.use_global}
+                "min_score": self.min_score, "use_global": self.use_global,
+                **({"max_spec_factor": self.max_spec_factor, "max_spec_offset": self.max_spec_offset}
+                   if self.max_spec_factor is not None else {})}
 
 
 @register("suffix")
 def make(target, num_draft_tokens: int, max_match: int = 8, max_depth: int | None = 8, min_score: float = 0.1,
-         use_global: bool = True):
+         use_global: bool = True, max_spec_factor: float | None = None, max_spec_offset: float = 0.0):
     return SuffixDrafter(num_draft_tokens, max_match=max_match, max_depth=max_depth, min_score=min_score,
-                         use_global=use_global)
+                         use_global=use_global, max_spec_factor=max_spec_factor, max_spec_offset=max_spec_offset)

@@ -171,6 +171,26 @@ def test_global_corpus_and_use_global_flag():
         assert d.global_index.num_tokens == 0
 
 
+def test_max_spec_factor_scales_the_tree_with_the_match_length():
+    """SuffixDecoding's adaptive speculation: a tree below a pattern matched over m tokens holds at most
+    max_spec_factor * m + max_spec_offset nodes; without a factor, the whole budget."""
+    one = [5, 6, 7, 8, 9, 10, 11, 99, 5]  # only the last token matches earlier (followed by 6, 7, 8, ...)
+    three = [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # [1, 2, 3] matches, followed by 4, 5, 6, ...
+    cases = {None: (4, 4), 1: (1, 3), 2: (2, 4)}
+    for factor, (n_one, n_three) in cases.items():
+        d = SuffixDrafter(num_draft_tokens=4, max_spec_factor=factor, use_global=False)
+        for seq, n, first in ((one, n_one, 6), (three, n_three, 4)):
+            draft = _propose(d, [seq])
+            valid = np.asarray(draft.valid)[0]
+            assert valid.sum() == n, (factor, seq)
+            assert np.asarray(draft.tokens)[0, :n].tolist() == list(range(first, first + n))
+    d = SuffixDrafter(num_draft_tokens=4, max_spec_factor=1, max_spec_offset=1, use_global=False)
+    assert np.asarray(_propose(d, [one]).valid)[0].sum() == 2
+    assert d.describe()["max_spec_factor"] == 1.0 and "max_spec_factor" not in SuffixDrafter(4).describe()
+    with pytest.raises(ValueError, match="max_spec_factor"):
+        SuffixDrafter(num_draft_tokens=4, max_spec_factor=0)
+
+
 def test_registry_and_parameters():
     d = create_drafter("suffix", None, num_draft_tokens=7, max_match=4, max_depth=None, min_score=0.2,
                        use_global=False)
