@@ -13,7 +13,7 @@ from drafters import create_drafter
 from drafters.draft_lm import DraftLMDrafter, DraftLMTreeDrafter
 from specdec.drafter import Draft
 from specdec.engine import speculative_generate
-from specdec.generate import generate, pad_prompts
+from specdec.generate import generate
 from specdec.models.config import tiny_config
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.target import random_target
@@ -165,7 +165,8 @@ def test_narrow_verify_step_equals_the_full_step_on_its_positions():
     for need, width in [(0, 0), (1, 1), (2, 3), (3, 3), (4, 4)]:
         out = verify(cache, jnp.asarray(need))
         t = width + 1
-        np.testing.assert_allclose(out.logits[:, :t], full.logits[:, :t], rtol=1e-5, atol=1e-5)
+        # 1e-4: XLA:CPU blocks a product of 1 + W rows differently from one of N + 1 (one VM: 2.7e-5 apart)
+        np.testing.assert_allclose(out.logits[:, :t], full.logits[:, :t], rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(out.taps[:, :, :t], full.taps[:, :, :t], rtol=1e-4, atol=1e-4)
         assert not np.any(np.asarray(out.logits[:, t:])) and not np.any(np.asarray(out.taps[:, :, t:]))
         for row, start in enumerate([5, 9]):

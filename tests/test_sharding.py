@@ -281,7 +281,7 @@ def _train_run(run: Path, mesh, steps: int = 2, kill_at: int | None = None) -> d
         return None
 
 
-def _restore(run: Path, step: int) -> dict[str, "np.ndarray"]:
+def _restore(run: Path, step: int) -> dict:
     """The checkpointed training state of `run` at `step`, flat: {path: host array}."""
     import jax
     import numpy as np
@@ -296,9 +296,9 @@ def _restore(run: Path, step: int) -> dict[str, "np.ndarray"]:
 
 def _same_update(got: dict, want: dict, lr: float, where: str) -> None:
     """Equal training states up to float reassociation. Gradients are compared through Adam's moments (mu, nu:
-    linear / quadratic in the gradients, so well conditioned) at a tight tolerance; parameters to within lr:
+    linear / quadratic in the gradients, so well conditioned) at a tight tolerance; parameters to within 2 lr:
     Adam's first step is about lr * g / (|g| + eps), which turns the reassociation noise of a component whose
-    gradient is ~0 into a change of up to lr."""
+    gradient is ~0 into a change of up to lr either way."""
     import numpy as np
 
     assert got.keys() == want.keys(), where
@@ -307,9 +307,13 @@ def _same_update(got: dict, want: dict, lr: float, where: str) -> None:
     for k in want:
         if k in moments:
             scale = float(np.max(np.abs(want[k]))) or 1.0
-            np.testing.assert_allclose(got[k], want[k], rtol=1e-3, atol=1e-4 * scale, err_msg=f"{where} {k}")
+            # 1e-3 of the largest moment: at step 2 a parameter whose step-1 sign flipped (below) moves its own
+            # gradient slightly (one VM: 3.0e-7 against a largest mu of 2.5e-3); a wrong reduction is off by far more
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-3, atol=1e-3 * scale, err_msg=f"{where} {k}")
         elif "params" in k:
-            np.testing.assert_allclose(got[k], want[k], rtol=0, atol=lr, err_msg=f"{where} {k}")
+            # each run's step is +-lr on such a component, so the two may differ by 2 lr where the sign flips
+            # (seen on one VM: 0.00303 against lr 0.003)
+            np.testing.assert_allclose(got[k], want[k], rtol=0, atol=2 * lr, err_msg=f"{where} {k}")
         else:  # step counter, rng key, buffers
             np.testing.assert_array_equal(got[k], want[k], err_msg=f"{where} {k}")
 
