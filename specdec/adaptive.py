@@ -197,7 +197,8 @@ class AdaptiveWidth:
     # the width doubles as deeper drafts are accepted. The optimistic prior alone valued every position of a
     # fresh row's first draft at 1: on open text at batch 1 suffix decoding verified ~5 rounds per 64-token
     # answer at widths 3-7, each costing up to ~2 plain rounds, and lost 12% to AR (docs/BENCHMARKS.md
-    # session 19). False: value every position from the first round.
+    # session 19). Measured worse (session 20): no gain on chat, and copy-heavy rows lost their first long
+    # matches (rewrite with suffix decoding: 1.31x -> 0.94x). False (default): value every position at once.
     slow_start: bool = False
 
     kind = "adaptive"

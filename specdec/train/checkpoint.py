@@ -164,17 +164,17 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: 
         raise CheckpointError(f"{p / DRAFTER_FILE} is corrupt ({type(e).__name__}: {e})") from None
     if expect_name is not None and name != expect_name:
         raise CheckpointError(f"{p} holds a {name!r} drafter, not {expect_name!r}")
-    extra = {}
-    if step is None and (p / PARAMS_FILE).is_file() and (p / CHECKPOINTS).is_dir():
-        newest = _newest_checkpoint(p)
-        if newest is not None and newest > _params_step(p):
-            step = newest  # a resumed run still training: its params.npz is from the interruption
+    extra, flat = {}, None
     if step is None and (p / PARAMS_FILE).is_file():
         try:
             with np.load(p / PARAMS_FILE) as z:
                 flat = {k: z[k] for k in z.files}
         except Exception as e:
             raise CheckpointError(f"{p / PARAMS_FILE} cannot be read ({type(e).__name__}: {e})") from None
+        newest = _newest_checkpoint(p) if (p / CHECKPOINTS).is_dir() else None
+        if newest is not None and newest > int(flat.get("step", -1)):
+            flat = None  # a resumed run still training: its params.npz is from the interruption
+    if flat is not None:
         tree = unflatten({k: v for k, v in flat.items() if k != "step"})
         step, source = int(flat.get("step", -1)), str(p / PARAMS_FILE)
         params, buffers = tree.get("params", {}), tree.get("buffers", {})
@@ -192,14 +192,6 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: 
         raise CheckpointError(f"{p} has {DRAFTER_FILE} but no weights ({PARAMS_FILE} or {CHECKPOINTS}/)")
     return {"drafter": name, "config": config, "target": target, "params": params, "buffers": buffers or {},
             "step": step, "source": source, **extra}
-
-
-def _params_step(run: Path) -> int:
-    try:
-        with np.load(run / PARAMS_FILE) as z:
-            return int(z["step"]) if "step" in z.files else -1
-    except Exception as e:
-        raise CheckpointError(f"{run / PARAMS_FILE} cannot be read ({type(e).__name__}: {e})") from None
 
 
 def _newest_checkpoint(run: Path) -> int | None:
