@@ -10,11 +10,13 @@ Greedy, batch 1, each prompt decoded by:
     (`LlamaPromptLookupDecoding`), `--threads` threads (default: all cores).
 
 Peers time their whole call, prefill included, so every tok/s here is new tokens / (prefill + decode); the
-ratios printed at the end (specdec / peer) are from this one run on this machine. Greedy outputs are compared
+ratios printed at the end (specdec / peer) are from this one run on this machine; with --repeats R every method
+runs once per pass, R passes interleaved, and each figure is the median over the passes (of tok/s, and of each
+per-pass ratio). Greedy outputs are compared
 token for token with specdec's AR (transformers and llama.cpp accumulate float32 differently, so a long
 output may drift at a near-tie; the count of identical prompts is printed).
 
-    python -m benchmarks.bench_peers [--prompts quickstart] [--max-new-tokens 128] [--json OUT]
+    python -m benchmarks.bench_peers [--prompts quickstart] [--max-new-tokens 128] [--repeats 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--drafters", nargs="+", default=list(DEFAULT_DRAFTERS))
     ap.add_argument("--lookup-tokens", type=int, default=10, help="prompt-lookup draft length of the peers")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--repeats", type=int, default=1, help="passes over every method, interleaved (medians)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--json", metavar="OUT")
@@ -139,28 +142,32 @@ def main(argv=None) -> int:
     prompts = [target.tokenizer.encode_chat(text) for _, text in texts]
     print(f"# {target.cfg.name}; {len(prompts)} prompts ({args.prompts}), greedy, batch 1, {args.max_new_tokens} "
           f"new tokens; {os.cpu_count()} CPUs, load avg {load_at_start[0]:.2f}", flush=True)
-    rows = []
-
-    def add(method, outputs, new_tokens, seconds, ref):
-        same = sum(a == b for a, b in zip(outputs, ref))
-        rows.append({"method": method, "tok_s": new_tokens / seconds, "new_tokens": new_tokens,
-                     "seconds": seconds, "same_as_specdec_ar": f"{same}/{len(ref)}"})
-        print(f"  {method:45s} {rows[-1]['tok_s']:6.1f} tok/s (incl. prefill)  same as specdec AR "
-              f"{rows[-1]['same_as_specdec_ar']}", flush=True)
-
     groups = [[p] for p in prompts]
-    ar_tokens, ar = run_ar(target, groups, args.max_new_tokens)
-    add("specdec AR", ar_tokens, ar.new_tokens, ar.decode_seconds + ar.prefill_seconds, ar_tokens)
+    methods = {}  # name -> a call returning (outputs, new tokens, seconds), run once per pass
+
+    def specdec_ar():
+        tokens, m = run_ar(target, groups, args.max_new_tokens)
+        return tokens, m.new_tokens, m.decode_seconds + m.prefill_seconds
+
+    methods["specdec AR"] = specdec_ar
     for text in args.drafters:
         spec = DrafterSpec.parse(text)
         drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
-        tokens, m = run_spec(target, drafter, spec.policy_for(drafter), groups, args.max_new_tokens, spec.buckets, spec.make_scheduler())
-        add(f"specdec {spec.label}", tokens, m.new_tokens, m.decode_seconds + m.prefill_seconds, ar_tokens)
+
+        def specdec_spec(spec=spec, drafter=drafter):
+            tokens, m = run_spec(target, drafter, spec.policy_for(drafter), groups, args.max_new_tokens,
+                                 spec.buckets, spec.make_scheduler())
+            return tokens, m.new_tokens, m.decode_seconds + m.prefill_seconds
+
+        methods[f"specdec {spec.label}"] = specdec_spec
     if not args.skip_transformers:
-        out, r = run_hf_plain(str(gguf_path), prompts, args.max_new_tokens, eos)
-        add("transformers greedy", out, r["new_tokens"], r["seconds"], ar_tokens)
-        out, r = run_hf_prompt_lookup(str(gguf_path), prompts, args.max_new_tokens, eos, args.lookup_tokens)
-        add(f"transformers prompt lookup ({args.lookup_tokens})", out, r["new_tokens"], r["seconds"], ar_tokens)
+        def hf(run, *extra):
+            out, r = run(str(gguf_path), prompts, args.max_new_tokens, eos, *extra)
+            return out, r["new_tokens"], r["seconds"]
+
+        methods["transformers greedy"] = lambda: hf(run_hf_plain)
+        methods[f"transformers prompt lookup ({args.lookup_tokens})"] = lambda: hf(run_hf_prompt_lookup,
+                                                                                   args.lookup_tokens)
     if not args.skip_llama_cpp:
         try:
             import llama_cpp  # noqa: F401
@@ -169,22 +176,47 @@ def main(argv=None) -> int:
         else:
             f32 = write_f32_gguf(gguf_path, gguf_path.with_name(gguf_path.stem + ".f32.gguf"))
             for lookup in (0, args.lookup_tokens):
-                out, r = run_llama_cpp(f32, prompts, args.max_new_tokens, eos, args.threads, lookup)
-                name = f"llama.cpp f32 prompt lookup ({lookup})" if lookup else "llama.cpp f32 greedy"
-                add(name, out, r["new_tokens"], r["seconds"], ar_tokens)
+                def llama(lookup=lookup):
+                    out, r = run_llama_cpp(f32, prompts, args.max_new_tokens, eos, args.threads, lookup)
+                    return out, r["new_tokens"], r["seconds"]
 
-    print("\n| method | tok/s (incl. prefill) | x specdec AR | same as specdec AR |\n|---|---|---|---|")
-    base = rows[0]["tok_s"]
+                methods[f"llama.cpp f32 prompt lookup ({lookup})" if lookup else "llama.cpp f32 greedy"] = llama
+
+    # Every method once per pass, the passes interleaved: this VM's speed drifts by 10-30% over minutes, so
+    # methods run one after the other in a single pass compare different machines; the median over passes of
+    # each method's tok/s, and of each per-pass ratio, is what the tables report.
+    passes = {name: [] for name in methods}
+    ref = None
+    for i in range(args.repeats):
+        for name, run in methods.items():
+            outputs, new_tokens, seconds = run()
+            ref = outputs if ref is None else ref
+            same = sum(a == b for a, b in zip(outputs, ref))
+            passes[name].append({"tok_s": new_tokens / seconds, "new_tokens": new_tokens, "seconds": seconds,
+                                 "same": same})
+            print(f"  pass {i + 1}/{args.repeats}  {name:45s} {new_tokens / seconds:6.1f} tok/s (incl. prefill)  "
+                  f"same as specdec AR {same}/{len(ref)}", flush=True)
+    rows = []
+    for name, runs in passes.items():
+        ratio = np.median([r["tok_s"] / a["tok_s"] for r, a in zip(runs, passes["specdec AR"])])
+        rows.append({"method": name, "tok_s": float(np.median([r["tok_s"] for r in runs])),
+                     "x_specdec_ar": float(ratio), "passes": runs,
+                     "same_as_specdec_ar": f"{min(r['same'] for r in runs)}/{len(ref)}"})
+
+    print(f"\n| method | tok/s (incl. prefill; median of {args.repeats}) | x specdec AR (median per pass) | "
+          "same as specdec AR |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['same_as_specdec_ar']} |")
-    peers = {r["method"]: r["tok_s"] for r in rows if not r["method"].startswith("specdec")}
-    ours = {r["method"]: r["tok_s"] for r in rows if r["method"].startswith("specdec")}
+        print(f"| {r['method']} | {r['tok_s']:.1f} | {r['x_specdec_ar']:.2f}x | {r['same_as_specdec_ar']} |")
+    peers = [r for r in rows if not r["method"].startswith("specdec")]
+    ours = [r for r in rows if r["method"].startswith("specdec")]
     if peers:
-        print("\nspecdec / peer (tok/s ratios, this run):")
-        best_ours = max(ours, key=ours.get)
-        for peer, tok_s in peers.items():
-            print(f"  specdec AR / {peer}: {ours['specdec AR'] / tok_s:.2f}   best specdec ({best_ours}) / {peer}: "
-                  f"{ours[best_ours] / tok_s:.2f}")
+        print("\nspecdec / peer (median over passes of the per-pass tok/s ratios, this run):")
+        best = max(ours, key=lambda r: r["tok_s"])
+        for peer in peers:
+            def ratio(mine):
+                return np.median([m["tok_s"] / q["tok_s"] for m, q in zip(mine["passes"], peer["passes"])])
+            print(f"  specdec AR / {peer['method']}: {ratio(ours[0]):.2f}   best specdec ({best['method']}) / "
+                  f"{peer['method']}: {ratio(best):.2f}")
     if args.json:
         write_json(args.json, {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                                "command": command_line(__file__, argv),

@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specdec.sampling import SamplingParams
 
@@ -256,10 +257,12 @@ class Drafter:
 MATCH_CLASS_STARTS = (1, 2, 3, 4, 8)
 
 
-def match_length_class(length: jax.Array) -> jax.Array:
-    """The evidence class of a match of `length` tokens (any shape; int32)."""
-    starts = jnp.asarray(MATCH_CLASS_STARTS[1:], jnp.int32)
-    return jnp.sum(jnp.asarray(length, jnp.int32)[..., None] >= starts, axis=-1).astype(jnp.int32)
+def match_length_class(length):
+    """The evidence class of a match of `length` tokens (any shape; int32). A NumPy array in gives a NumPy array
+    out (a host-side drafter's draft, without an eager device op per round)."""
+    xp = np if isinstance(length, np.ndarray) else jnp
+    starts = xp.asarray(MATCH_CLASS_STARTS[1:], xp.int32)
+    return xp.sum(xp.asarray(length, xp.int32)[..., None] >= starts, axis=-1).astype(xp.int32)
 
 
 # ---------------------------------------------------------------------------------------------------------
