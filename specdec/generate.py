@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,9 @@ from specdec.models.transformer import KVCache, init_cache
 from specdec.sampling import GREEDY, SamplingParams, processed_logits, sample
 from specdec.sharding import to_host
 from specdec.target import Target
+
+if TYPE_CHECKING:
+    from specdec.metrics import DecodeMetrics
 
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this, so a few compiled prefill shapes serve all
 # The EOS id set used when a model has none (AR and speculative loops alike): no token id is negative, and -1 is

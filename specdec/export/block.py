@@ -52,9 +52,9 @@ def problems(kind: str, arch, target_cfg, fmt: str) -> list[str]:
     """Why `arch` cannot run in `fmt`'s engine as it was trained (empty: it can)."""
     out = []
     if arch.layout != "peer":
-        out.append(f"it was trained in specdec's block layout (slot j predicts token a + j + 1); the engines run "
-                   f"the [anchor, mask x (g-1)] block where slot j predicts a + j, so every draft would be one "
-                   f"position off. Train with the drafter option `block_layout: peer` (train.drafter_options)")
+        out.append("it was trained in specdec's block layout (slot j predicts token a + j + 1); the engines run "
+                   "the [anchor, mask x (g-1)] block where slot j predicts a + j, so every draft would be one "
+                   "position off. Train with the drafter option `block_layout: peer` (train.drafter_options)")
     if not arch.cfg.qk_norm:
         out.append("its draft layers have no q/k norms; the engines' DFlash / DSpark layers are Qwen3 layers that "
                    "always apply a per-head RMSNorm to q and k, which cannot be set to the identity. Train with "

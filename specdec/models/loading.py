@@ -64,7 +64,6 @@ def read_gguf(path: Path):
 
 
 def load_gguf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict, Tokenizer]:
-    import gguf
     from gguf.quants import dequantize
 
     reader = read_gguf(path)
