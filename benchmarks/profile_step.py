@@ -81,6 +81,7 @@ def main(argv=None) -> dict:
     step = make_step(target.forward, target.cfg)
     compiled = step.lower(target.params, cache, tokens).compile()
     groups = op_groups(compiled.as_text(), args.capacity)
+    # each step rewinds to --length with a fresh lengths array: the step donates the whole cache, lengths included
     for _ in range(5):
         tokens, cache = step(target.params, cache, tokens)
         cache = cache.with_lengths(jnp.full((args.batch,), args.length, jnp.int32))
