@@ -12,7 +12,8 @@ Greedy, batch 1, each prompt decoded by:
 Peers time their whole call, prefill included, so every tok/s here is new tokens / (prefill + decode); the
 ratios printed at the end (specdec / peer) are from this one run on this machine; with --repeats R every method
 runs once per pass, R passes interleaved, and each figure is the median over the passes (of tok/s, and of each
-per-pass ratio). Greedy outputs are compared
+per-pass ratio; with R >= 5 the specdec / peer ratios also print a distribution-free 90% interval of that
+median, `benchmarks.common.median_interval`). Greedy outputs are compared
 token for token with specdec's AR (transformers and llama.cpp accumulate float32 differently, so a long
 output may drift at a near-tie; the count of identical prompts is printed).
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (DrafterSpec, command_line, hf_model, run_ar, run_hf_prompt_lookup,
+from benchmarks.common import (DrafterSpec, command_line, hf_model, median_interval, run_ar, run_hf_prompt_lookup,
                                run_spec, write_json)
 from drafters import create_drafter
 from specdec.models import registry
@@ -214,9 +215,11 @@ def main(argv=None) -> int:
         best = max(ours, key=lambda r: r["tok_s"])
         for peer in peers:
             def ratio(mine):
-                return np.median([m["tok_s"] / q["tok_s"] for m, q in zip(mine["passes"], peer["passes"])])
-            print(f"  specdec AR / {peer['method']}: {ratio(ours[0]):.2f}   best specdec ({best['method']}) / "
-                  f"{peer['method']}: {ratio(best):.2f}")
+                per_pass = [m["tok_s"] / q["tok_s"] for m, q in zip(mine["passes"], peer["passes"])]
+                interval = median_interval(per_pass)  # 90%, distribution-free; None below 5 passes
+                return f"{np.median(per_pass):.2f}" + (f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else "")
+            print(f"  specdec AR / {peer['method']}: {ratio(ours[0])}   best specdec ({best['method']}) / "
+                  f"{peer['method']}: {ratio(best)}")
     if args.json:
         write_json(args.json, {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                                "command": command_line(__file__, argv),

@@ -13,7 +13,9 @@ with the target's own template) and each batch size (--batches, default 1 and 8)
 AR and the drafters are interleaved group by group (each batch of prompts decoded by AR, then by every drafter,
 back to back; reversed on odd passes), because this VM's speed drifts by up to ~25% within minutes; with
 `--repeats R` the prompts are decoded R times and the speedup is the median of the passes' speedups (all passes
-are kept in the JSON as `speedup_by_pass`).
+are kept in the JSON as `speedup_by_pass`), printed with its distribution-free 90% interval when R >= 5
+(`speedup_interval`, `benchmarks.common.median_interval`): a category whose interval lies above 0.97 does not
+lose, one whose interval spans it is not resolved by R passes.
 Every call runs with `warmup=True` (the same compiled programs first run for 2 tokens, untimed), so timings
 exclude compilation. The suffix drafter's global corpus is cleared at the start of each pass of each (subset,
 batch): within it, it holds the outputs of the earlier prompts (batch 1) / earlier-finished rows (batch 8) of
@@ -46,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import (DEFAULT_DATA, QUICKSTART_SUBSETS, SUBSETS, DrafterSpec, command_line, groups_of,
-                               load_prompts, run_ar, run_hf_prompt_lookup, run_spec, write_json)
+                               load_prompts, median_interval, run_ar, run_hf_prompt_lookup, run_spec, write_json)
 from drafters import create_drafter
 from specdec import trees
 from specdec.engine import speculative_generate
@@ -176,7 +178,7 @@ def main(argv=None) -> dict:
                 by_pass = [speedup(p["AR"][1], p[spec][1]) for p in passes]
                 rows.append({**base, "method": spec.label, "policy": spec.policy_for(drafters[spec]),
                              **_row(m, ar, tokens, ar_tokens), "speedup": float(np.median(by_pass)),
-                             "speedup_by_pass": by_pass})
+                             "speedup_interval": median_interval(by_pass), "speedup_by_pass": by_pass})
                 print(_line(rows[-1]), flush=True)
             summary["rows"].extend(rows)
         if not args.skip_transformers:
@@ -256,9 +258,15 @@ def _row(m, ar, tokens, ar_tokens) -> dict:
             "realised_accepted": m.realised_accepted}
 
 
+def _interval(r: dict) -> str:
+    """` [lo-hi]`: the 90% interval of the median speedup over the passes (`median_interval`), when there is one."""
+    interval = r.get("speedup_interval")
+    return f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""
+
+
 def _line(r: dict) -> str:
     return (f"{r['subset']:9s} B={r['batch']} {r['method']:38s} tau {r['tau']:.2f}  {r['tok_s']:6.1f} tok/s "
-            f"({r['tok_s_e2e']:.1f} incl. prefill)  x{r['speedup']:.2f}  same as AR {r['lossless']}"
+            f"({r['tok_s_e2e']:.1f} incl. prefill)  x{r['speedup']:.2f}{_interval(r)}  same as AR {r['lossless']}"
             + (f"  predicted {r['predicted_tok_s']:.1f} tok/s, rounds by width {r['width_rounds']}, accepted "
                f"drafts expected / realised {r['expected_accepted']:.0f} / {r['realised_accepted']:.0f}"
                if r.get("predicted_tok_s") else ""))
@@ -276,7 +284,7 @@ def print_tables(s: dict) -> None:
         tau = "1.00" if r["method"] == "AR" else f"{r['tau']:.2f}"
         predicted = f"{r['predicted_tok_s']:.1f}" if r.get("predicted_tok_s") else "-"
         print(f"| {r['subset']} | {r['batch']} | {r['method']} | {tau} | {rate} | {r['tok_s']:.1f} | "
-              f"{r['tok_s_e2e']:.1f} | {r['speedup']:.2f}x | {predicted} | {r['lossless']} |")
+              f"{r['tok_s_e2e']:.1f} | {r['speedup']:.2f}x{_interval(r)} | {predicted} | {r['lossless']} |")
     for r in s["transformers"]:
         print(f"| {r['subset']} | 1 | {r['method']} | - | - | - | {r['tok_s']:.1f} | - | {r['lossless']} |")
     if s["transformers"]:

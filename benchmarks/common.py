@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -222,6 +223,24 @@ def median_seconds(fn, repeats: int = 3) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def median_interval(values, level: float = 0.9) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of `values` (per-pass ratios): the order statistics
+    (x_(k), x_(n+1-k)) of the sign test, k the largest with P(Bin(n, 1/2) < k) <= (1 - level) / 2, so the
+    interval covers the true median with probability >= `level` whatever the passes' distribution. This VM's
+    speed drifts by 10-30% between passes, so a median of a few passes alone cannot tell a 3% loss from noise.
+    None when n is too small for that level (n < 5 at 0.9)."""
+    x = sorted(float(v) for v in values)
+    n = len(x)
+    tail = (1.0 - level) / 2.0
+    k, below = 0, 0.0  # below = P(Bin(n, 1/2) < k + 1)
+    while k < n // 2:
+        below += math.comb(n, k) / 2 ** n
+        if below > tail:
+            break
+        k += 1
+    return None if k == 0 else (x[k - 1], x[n - k])
 
 
 def command_line(script: str, argv: list[str] | None) -> str:
