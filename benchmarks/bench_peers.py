@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (DrafterSpec, command_line, hf_model, median_interval, run_ar, run_hf_prompt_lookup,
-                               run_spec, write_json)
+from benchmarks.common import (DrafterSpec, command_line, hf_model, interval_text, median_interval, run_ar,
+                               run_hf_prompt_lookup, run_spec, write_json)
 from drafters import create_drafter
 from specdec.models import registry
 from specdec.prompts import builtin
@@ -216,8 +216,8 @@ def main(argv=None) -> int:
         for peer in peers:
             def ratio(mine):
                 per_pass = [m["tok_s"] / q["tok_s"] for m, q in zip(mine["passes"], peer["passes"])]
-                interval = median_interval(per_pass)  # 90%, distribution-free; None below 5 passes
-                return f"{np.median(per_pass):.2f}" + (f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else "")
+                # the median, with its 90% distribution-free interval from 5 passes on
+                return f"{np.median(per_pass):.2f}" + interval_text(median_interval(per_pass))
             print(f"  specdec AR / {peer['method']}: {ratio(ours[0])}   best specdec ({best['method']}) / "
                   f"{peer['method']}: {ratio(best)}")
     if args.json:

@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import (DEFAULT_DATA, QUICKSTART_SUBSETS, SUBSETS, DrafterSpec, command_line, groups_of,
-                               load_prompts, median_interval, run_ar, run_hf_prompt_lookup, run_spec, write_json)
+                               interval_text, load_prompts, median_interval, run_ar, run_hf_prompt_lookup, run_spec,
+                               write_json)
 from drafters import create_drafter
 from specdec import trees
 from specdec.engine import speculative_generate
@@ -258,15 +259,10 @@ def _row(m, ar, tokens, ar_tokens) -> dict:
             "realised_accepted": m.realised_accepted}
 
 
-def _interval(r: dict) -> str:
-    """` [lo-hi]`: the 90% interval of the median speedup over the passes (`median_interval`), when there is one."""
-    interval = r.get("speedup_interval")
-    return f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""
-
-
 def _line(r: dict) -> str:
+    speedup = f"x{r['speedup']:.2f}{interval_text(r.get('speedup_interval'))}"
     return (f"{r['subset']:9s} B={r['batch']} {r['method']:38s} tau {r['tau']:.2f}  {r['tok_s']:6.1f} tok/s "
-            f"({r['tok_s_e2e']:.1f} incl. prefill)  x{r['speedup']:.2f}{_interval(r)}  same as AR {r['lossless']}"
+            f"({r['tok_s_e2e']:.1f} incl. prefill)  {speedup}  same as AR {r['lossless']}"
             + (f"  predicted {r['predicted_tok_s']:.1f} tok/s, rounds by width {r['width_rounds']}, accepted "
                f"drafts expected / realised {r['expected_accepted']:.0f} / {r['realised_accepted']:.0f}"
                if r.get("predicted_tok_s") else ""))
@@ -283,8 +279,9 @@ def print_tables(s: dict) -> None:
         rate = "-" if r["method"] == "AR" else f"{r['acceptance_rate']:.2f}"
         tau = "1.00" if r["method"] == "AR" else f"{r['tau']:.2f}"
         predicted = f"{r['predicted_tok_s']:.1f}" if r.get("predicted_tok_s") else "-"
+        speedup = f"{r['speedup']:.2f}x{interval_text(r.get('speedup_interval'))}"
         print(f"| {r['subset']} | {r['batch']} | {r['method']} | {tau} | {rate} | {r['tok_s']:.1f} | "
-              f"{r['tok_s_e2e']:.1f} | {r['speedup']:.2f}x{_interval(r)} | {predicted} | {r['lossless']} |")
+              f"{r['tok_s_e2e']:.1f} | {speedup} | {predicted} | {r['lossless']} |")
     for r in s["transformers"]:
         print(f"| {r['subset']} | 1 | {r['method']} | - | - | - | {r['tok_s']:.1f} | - | {r['lossless']} |")
     if s["transformers"]:

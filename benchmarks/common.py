@@ -243,6 +243,11 @@ def median_interval(values, level: float = 0.9) -> tuple[float, float] | None:
     return None if k == 0 else (x[k - 1], x[n - k])
 
 
+def interval_text(interval: tuple[float, float] | None) -> str:
+    """` [lo-hi]` for a `median_interval`, or "" when there is none (too few passes)."""
+    return f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""
+
+
 def command_line(script: str, argv: list[str] | None) -> str:
     """The command that reproduces this run of `script` (its `__file__`), for the JSON summary; `argv`: the
     arguments `main` was given, None = the command line's."""
