@@ -12,7 +12,9 @@ classes), in microseconds; and, per batch size, the parts a drafted width-0 roun
 in a compiled loop on the first prompts' committed context (microseconds per call): the n-gram draft (`propose`)
 and the adaptive width's `refine` of it. What the two do not explain of `drafted, width 0` - `plain round` is
 the verify path itself (the bucket switch at width 0, the policy over N + 1 padded positions, the tree mask).
-Outputs equal AR's (checked).
+Outputs equal AR's (checked). Each method's
+ratio to the AR step is taken pass by pass (the median of the per-pass ratios, with its 90% interval from 5
+passes on): the VM's speed drifts by 10-30% between passes, which the per-method medians alone do not cancel.
 
     python -m benchmarks.bench_round_overhead [--batches 1 8] [--new-tokens 128] [--passes 4] [--json OUT]
 """
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import DEFAULT_DATA, command_line, load_prompts, write_json
+from benchmarks.common import DEFAULT_DATA, command_line, interval_text, load_prompts, median_interval, write_json
 from drafters import create_drafter
 from specdec.adaptive import AdaptiveWidth
 from specdec.engine import speculative_generate
@@ -144,11 +146,16 @@ def main(argv=None) -> dict:
                                            warmup=True, scheduler=sched)
                 assert out.tokens == ar.tokens, label
                 ms[label].append(out.metrics.decode_seconds / sum(out.metrics.width_rounds) * 1e3)
+        # each pass's ratio to the AR step of the same pass: the VM's drift between passes cancels in it
+        ratios = {k: [m / a for m, a in zip(v, ms["AR step"])] for k, v in ms.items() if k != "AR step"}
         row = {"batch": batch, **{k: float(np.median(v)) for k, v in ms.items()}, "passes_ms": ms,
+               "ratio_to_ar": {k: float(np.median(v)) for k, v in ratios.items()},
+               "ratio_to_ar_interval": {k: median_interval(v) for k, v in ratios.items()},
                **draft_parts_microseconds(drafter, prompts, args.new_tokens)}
         summary["rows"].append(row)
-        base = row["AR step"]
-        print(f"B={batch}: " + ", ".join(f"{k} {row[k]:.2f} ms ({row[k] / base:.3f}x)" for k in ms), flush=True)
+        print(f"B={batch}: AR step {row['AR step']:.2f} ms, " + ", ".join(
+            f"{k} {row[k]:.2f} ms ({row['ratio_to_ar'][k]:.3f}x by pass{interval_text(row['ratio_to_ar_interval'][k])})"
+            for k in ratios), flush=True)
         rest = (row["drafted, width 0"] - row["plain round"]) * 1e3 - row["propose_us"] - row["refine_us"]
         print(f"B={batch}: drafted - plain = {(row['drafted, width 0'] - row['plain round']) * 1e3:.0f} us: n-gram "
               f"propose {row['propose_us']:.0f} us, refine {row['refine_us']:.0f} us, the rest (verify path at "

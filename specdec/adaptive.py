@@ -148,6 +148,15 @@ class AdaptiveWidth:
     # acceptance varies more between prompts than between evidence classes (docs/BENCHMARKS.md session 21).
     prior: float = 1.0
     prior_weight: float = 1.0
+    # A deeper position's prior is the estimate of the position before it times this factor. With 1.0 (until
+    # session 23) a fresh class valued every depth of its first draft as it valued the first: all accepted, so
+    # its first rounds verified the widest draft, and on open chat at batch 1 n-gram's rounds expected 201
+    # accepted drafts where 36 came (0.95x AR, session 22). At 0.8 a fresh class's first 5-token draft is worth
+    # 1 + 0.8 + 0.51 + 0.26 + 0.11 accepted tokens, so it is tried at a narrower width, and widens as deeper
+    # positions are accepted. Replayed with fixed costs on 8 prompt sets at batch 1 (benchmarks/replay_adaptive.py,
+    # docs/BENCHMARKS.md session 23): n-gram's worst set 0.951x -> 0.982x AR, geomean 1.195x -> 1.263x; suffix
+    # decoding unchanged (0.979x -> 0.980x, 1.152x -> 1.151x); 0.6 cost suffix its copy-heavy sets.
+    prior_depth: float = 0.8
     explore_every: int = 8  # verify (the best width > 0) after this many rounds in a row that verified nothing
     explore_max: int = 64  # the gap doubles after each verified round that accepted nothing, up to this
     # An exploring round costs C(narrowest) - C(0) more than a plain one; explore at most every
@@ -232,6 +241,8 @@ class AdaptiveWidth:
             raise ValueError(f"scheduler.calibration_weight must be >= 0, got {self.calibration_weight!r}")
         if not 0.0 <= self.explore_budget < 1.0:
             raise ValueError(f"scheduler.explore_budget must be in [0, 1), got {self.explore_budget!r}")
+        if not 0.0 < self.prior_depth <= 1.0:
+            raise ValueError(f"scheduler.prior_depth must be in (0, 1], got {self.prior_depth!r}")
         if self.prior_weight <= 0:
             raise ValueError(f"scheduler.prior_weight must be > 0, got {self.prior_weight!r}")
         if self.explore_every < 1:
@@ -270,12 +281,12 @@ class AdaptiveWidth:
     def acceptance(self, st: AdaptiveState, evidence: jax.Array | None = None) -> jax.Array:
         """P(position j accepted | j verified and j-1 accepted), per row: [B, N], from the row's history in the
         draft's evidence class `evidence` [B] (None: pooled over the classes, what is known before drafting).
-        Position 1's prior is `prior`; a deeper position's prior is the estimate of the position before it, so
-        positions a row never reaches (every draft rejected early) inherit its poor early estimate instead of
-        an optimistic constant. Each class starts from the optimistic prior, so a row whose open text taught it
-        that one-token matches fail still tries its first 8-token match. (Starting the classes without history
-        from the row's other classes instead cost summarise tau 1.72 -> 1.26 on the quickstart and gained
-        nothing on chat: docs/BENCHMARKS.md session 12.)"""
+        Position 1's prior is `prior`; a deeper position's prior is the estimate of the position before it (times
+        `prior_depth`), so positions a row never reaches (every draft rejected early) inherit its poor early
+        estimate instead of an optimistic constant. Each class starts from the optimistic prior, so a row whose
+        open text taught it that one-token matches fail still tries its first 8-token match. (Starting the
+        classes without history from the row's other classes instead cost summarise tau 1.72 -> 1.26 on the
+        quickstart and gained nothing on chat: docs/BENCHMARKS.md session 12.)"""
         if evidence is None:
             hits, reached = jnp.sum(st.hits, axis=1), jnp.sum(st.reached, axis=1)
         else:
@@ -284,8 +295,9 @@ class AdaptiveWidth:
         prior = jnp.full(hits.shape[:1], self.prior, jnp.float32)
         rates = []
         for j in range(hits.shape[1]):  # static loop over draft positions
-            prior = self._rate(hits[:, j], reached[:, j], prior)
-            rates.append(prior)
+            rate = self._rate(hits[:, j], reached[:, j], prior)
+            rates.append(rate)
+            prior = rate * self.prior_depth
         return jnp.stack(rates, axis=1)
 
     def survival(self, st: AdaptiveState, evidence: jax.Array | None = None) -> jax.Array:

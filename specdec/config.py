@@ -158,6 +158,7 @@ class SchedulerConfig:
     profile_path: str | None = None  # "prefix": JSON cache of the measured SPS(token batch) profile
     decay: float = 0.9  # "adaptive": decay of each row's history count when its position is observed
     prior: float = 1.0  # "adaptive": the acceptance assumed of a position with no recent history
+    prior_depth: float = 0.8  # "adaptive": a deeper position's prior is the one before it times this
     explore_every: int = 8  # "adaptive": verify after this many rounds in a row that verified nothing
     explore_max: int = 64  # "adaptive": that gap doubles after each verified round that did not pay, to this
     explore_budget: float = 0.02  # "adaptive": exploring spends at most this share of the plain rounds' time
@@ -178,6 +179,7 @@ class SchedulerConfig:
         _require(0 <= self.threshold <= 1, "threshold", f"must be in [0, 1], got {self.threshold!r}")
         _require(0 <= self.decay < 1, "decay", f"must be in [0, 1), got {self.decay!r}")
         _require(0 < self.prior <= 1, "prior", f"must be in (0, 1], got {self.prior!r}")
+        _require(0 < self.prior_depth <= 1, "prior_depth", f"must be in (0, 1], got {self.prior_depth!r}")
         _at_least(self, 1, "explore_every")
         _require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin!r}")
         _require(self.calibration_weight >= 0, "calibration_weight", f"must be >= 0, got {self.calibration_weight!r}")

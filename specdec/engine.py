@@ -553,7 +553,10 @@ def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, length
 
     def measure():
         measured.append(True)
-        return measure_round_costs(run_forced, len(spec.verify_widths))
+        round_cost, draft_cost = measure_round_costs(run_forced, len(spec.verify_widths))
+        if drafter.jittable:  # timed alone: the difference of two noisy loop timings flipped `free_draft`
+            draft_cost = draft_seconds(spec, target, drafter, fake, lengths, capacity)
+        return round_cost, draft_cost
 
     key = cost_key(target, drafter, spec.policy.name, spec.sampling, len(tokens), capacity, spec.verify_widths)
     round_cost, draft_cost = load_or_measure_round_costs(key, measure, sched.cost_path, sched.reprofile)
@@ -561,6 +564,36 @@ def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, length
         scale = run_forced(0, 0) / round_cost[0]
         round_cost, draft_cost = tuple(c * scale for c in round_cost), draft_cost * scale
     return round_cost, draft_cost
+
+
+def draft_seconds(spec: LoopSpec, target: Target, drafter: Drafter, tokens, lengths, capacity: int,
+                  calls: int = 4 * PROFILE_ROUNDS, repeats: int = 3) -> float:
+    """Seconds one `propose` of a pure-JAX drafter takes, timed alone in a compiled loop of `calls` drafts from
+    the prefilled prompts (the committed length moves by one token per call, so nothing is hoisted out of the
+    loop); the median of `repeats` runs. `measure_round_costs` gets it as the difference between a drafted
+    round that verifies nothing and a plain one, two loop timings whose noise (~1-2 ms here) exceeds prompt
+    lookup's whole draft (~1 us): one profile measured n-gram's draft at 3.8 ms, 14% of a round, so the
+    adaptive width stopped treating it as free (`free_draft`) and the quickstart's rewrite prompt fell from
+    2.57x to 1.35x AR (docs/BENCHMARKS.md session 23)."""
+    state = start(spec, target, drafter, target.init_cache(len(tokens), capacity), tokens, lengths, capacity,
+                  PROFILE_ROUNDS, 0)
+
+    @jax.jit
+    def drafts(dparams, dstate, seq, seq_len, done, key):
+        def one(i, total):
+            ctx = RoundContext(seq=seq, seq_len=jnp.maximum(seq_len - i % 8, 1), done=done)
+            draft, _ = drafter.propose(dparams, dstate, ctx, spec.sampling, jax.random.fold_in(key, i))
+            return total + jnp.sum(draft.tokens) + jnp.sum(draft.valid)
+        return jax.lax.fori_loop(0, calls, one, jnp.int32(0))
+
+    args = (drafter.params, state.drafter_state, state.seq, state.seq_len, state.done, state.key)
+    jax.block_until_ready(drafts(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(drafts(*args))
+        times.append((time.perf_counter() - t0) / calls)
+    return float(np.median(times))
 
 
 def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, tokens, lengths, capacity: int,
@@ -645,6 +678,8 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
         metrics.width_rounds = to_host(state.sched.width_rounds).tolist()
         metrics.skipped_drafts = int(to_host(state.sched.skipped_drafts))
         metrics.predicted_seconds = float(to_host(state.sched.predicted_seconds))
+        metrics.round_costs = to_host(state.sched.round_cost).tolist()
+        metrics.draft_cost = float(to_host(state.sched.draft_cost))
         metrics.expected_accepted = float(to_host(state.sched.expected_accepted))
         metrics.realised_accepted = float(to_host(state.sched.realised_accepted))
     accept_lengths = [committed[i, : rounds[i]].tolist() for i in range(len(tokens))]

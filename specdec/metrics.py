@@ -35,6 +35,9 @@ class DecodeMetrics:
     width_rounds: list[int] = dataclasses.field(default_factory=list)
     skipped_drafts: int = 0
     predicted_seconds: float | None = None
+    # the costs it predicted with: seconds per loop iteration at each verify width, and what a draft adds
+    round_costs: list[float] = dataclasses.field(default_factory=list)
+    draft_cost: float | None = None
     # its acceptance model's check over the verified rounds: accepted drafts expected (uncalibrated) / realised
     expected_accepted: float | None = None
     realised_accepted: float | None = None
@@ -104,6 +107,7 @@ class DecodeMetrics:
             out.update(verify_widths=self.verify_widths, width_rounds=self.width_rounds,
                        skipped_drafts=self.skipped_drafts, predicted_seconds=self.predicted_seconds,
                        predicted_tokens_per_second=self.predicted_tokens_per_second,
+                       round_costs=self.round_costs, draft_cost=self.draft_cost,
                        expected_accepted=self.expected_accepted, realised_accepted=self.realised_accepted)
         out.update({f"acceptance_{k}": v for k, v in self.acceptance_by_position().items()})
         return out
@@ -147,7 +151,10 @@ def _merge_widths(metrics: list[DecodeMetrics]) -> dict:
     widths = {tuple(m.verify_widths) for m in metrics}
     if len(widths) != 1 or not metrics[0].width_rounds or any(m.predicted_seconds is None for m in metrics):
         return {}
+    same_costs = len({(tuple(m.round_costs), m.draft_cost) for m in metrics}) == 1  # else they say nothing merged
     return {"verify_widths": list(metrics[0].verify_widths),
+            "round_costs": list(metrics[0].round_costs) if same_costs else [],
+            "draft_cost": metrics[0].draft_cost if same_costs else None,
             "width_rounds": np.sum([m.width_rounds for m in metrics], axis=0).astype(int).tolist(),
             "skipped_drafts": sum(m.skipped_drafts for m in metrics),
             "predicted_seconds": float(sum(m.predicted_seconds for m in metrics)),

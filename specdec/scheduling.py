@@ -230,7 +230,8 @@ def make_scheduler(cfg, target=None, max_tokens: int | None = None, log=print) -
         return None
     if cfg.kind == "adaptive":
         from specdec.adaptive import AdaptiveWidth
-        return AdaptiveWidth(decay=float(cfg.decay), prior=float(cfg.prior), reprofile=bool(cfg.reprofile),
+        return AdaptiveWidth(decay=float(cfg.decay), prior=float(cfg.prior), prior_depth=float(cfg.prior_depth),
+                             reprofile=bool(cfg.reprofile),
                              cost_path=cfg.cost_path, explore_every=int(cfg.explore_every),
                              explore_max=int(cfg.explore_max), explore_budget=float(cfg.explore_budget),
                              margin=float(cfg.margin),

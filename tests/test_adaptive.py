@@ -50,10 +50,10 @@ def test_plan_and_refine_golden():
     active = jnp.asarray([True, True])
     st = state_with(sched, hits, reached, drafted, drafts, ((1.0, 1.2, 1.5), 0.1))
     # row 0: rates 1 -> value 1 + W; row 1: position 1 rate 1/11, later positions unobserved, so they inherit
-    # position 1's rate: survival r, r^2, r^3
-    r = 1 / 11
-    np.testing.assert_allclose(np.asarray(sched.acceptance(st))[1], [r, r, r], rtol=1e-6)
-    theta = [2 / 1.0, (2 + 1 + r) / 1.2, (4 + 1 + r + r ** 2 + r ** 3) / 1.5]
+    # the rate before them times prior_depth d: r, r d, r d^2, survival r, r^2 d, r^3 d^3
+    r, d = 1 / 11, sched.prior_depth
+    np.testing.assert_allclose(np.asarray(sched.acceptance(st))[1], [r, r * d, r * d * d], rtol=1e-6)
+    theta = [2 / 1.0, (2 + 1 + r) / 1.2, (4 + 1 + r + r ** 2 * d + r ** 3 * d ** 3) / 1.5]
     assert int(sched.plan(st, widths, active, tree=False)) == int(np.argmax(theta)) == 2
     expensive = state_with(sched, hits, reached, drafted, drafts, ((1.0, 5.0, 10.0), 0.1))
     assert int(sched.plan(expensive, widths, active, tree=False)) == 0
@@ -187,6 +187,21 @@ def test_slow_start_widens_only_after_deeper_acceptances():
     assert make_scheduler(SchedulerConfig(kind="adaptive", slow_start=True)).slow_start
 
 
+def test_a_fresh_class_values_deeper_positions_less():
+    """With no history a class's position 1 is the prior and each deeper position the one before times
+    `prior_depth`; history at a position replaces the prior there (golden values)."""
+    sched = AdaptiveWidth(prior=1.0, prior_depth=0.8)
+    fresh = state_with(sched, [[0, 0, 0, 0]], [[0, 0, 0, 0]], [[0, 0, 0, 0]], [[0]], ((1.0, 1.2), 0.0))
+    np.testing.assert_allclose(np.asarray(sched.acceptance(fresh)), [[1.0, 0.8, 0.64, 0.512]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(sched.survival(fresh)), [[1.0, 0.8, 0.512, 0.262144]], rtol=1e-6)
+    # one acceptance at position 1 and one rejection at position 2
+    seen = state_with(sched, [[1, 0, 0, 0]], [[1, 1, 0, 0]], [[1, 1, 0, 0]], [[1]], ((1.0, 1.2), 0.0))
+    r2 = (0 + 0.8 * 1.0) / (1 + 1)
+    np.testing.assert_allclose(np.asarray(sched.acceptance(seen)), [[1.0, r2, 0.8 * r2, 0.64 * r2]], rtol=1e-6)
+    old = AdaptiveWidth(prior_depth=1.0)  # the session-22 behaviour: every depth as the one before
+    np.testing.assert_allclose(np.asarray(old.acceptance(fresh)), [[1.0] * 4])
+
+
 def test_calibration_scales_expected_gains_by_realised_over_expected():
     """Each verified round records what the per-row estimates expected of it (uncalibrated) and what it realised;
     their decayed ratio scales every expected gain, so estimates that keep over-promising stop buying widths."""
@@ -200,10 +215,12 @@ def test_calibration_scales_expected_gains_by_realised_over_expected():
     assert int(sched.plan(st, widths, active, tree=False)) == 2
     draft = Draft.chain(jnp.ones((2, 3), jnp.int32))
     _, st = sched.refine(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
-    # conditional rates: position 1 from the prior 1, deeper ones from the position before (9 of 10 each)
+    # conditional rates: position 1 from the prior 1, deeper ones from the position before times prior_depth (9 of
+    # 10 each)
+    d = sched.prior_depth
     r1 = (9 + 1) / (10 + 1)
-    r2 = (9 + r1) / (10 + 1)
-    r3 = (9 + r2) / (10 + 1)
+    r2 = (9 + d * r1) / (10 + 1)
+    r3 = (9 + d * r2) / (10 + 1)
     expected = 2 * (r1 + r1 * r2 + r1 * r2 * r3)  # two rows, three positions, survival products
     np.testing.assert_allclose(np.asarray(st.round_expected), [2 * r1, 2 * r1 * r2, 2 * r1 * r2 * r3], rtol=1e-6)
     # the round realises nothing: both rows reject position 1
@@ -563,6 +580,26 @@ def test_round_costs_are_measured_in_the_loop_once_and_cached(tmp_path, monkeypa
                              scheduler=AdaptiveWidth(cost_path=str(path), reprofile=True))
 
 
+def test_a_pure_jax_drafts_cost_is_timed_alone(tmp_path, monkeypatch):
+    """A jittable drafter's draft cost is `draft_seconds` (its propose alone in a compiled loop), not the difference
+    of two loop timings, whose noise made prompt lookup's ~1 us draft look like 14% of a round (session 23)."""
+    target = peaky_target(4)
+    drafter = create_drafter("ngram", target, 4, max_ngram=2)
+    seen, real = [], engine.draft_seconds
+
+    def timed_alone(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return 1.25e-6
+
+    monkeypatch.setattr(engine, "draft_seconds", timed_alone)
+    path = tmp_path / "costs.json"
+    out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=AdaptiveWidth(cost_path=str(path)))
+    assert out.tokens == generate(target, PROMPTS, max_new_tokens=9).tokens
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry["draft_cost"] == 1.25e-6 and out.metrics.draft_cost == pytest.approx(1.25e-6)
+    assert len(seen) == 1 and seen[0] > 0  # the real timing ran on the loop's own state
+
+
 def test_a_warmed_up_run_rescales_cached_costs_to_the_speed_now(tmp_path):
     """Cached costs from a (much) slower machine state are scaled by one fresh pass of plain rounds before a
     warmed-up run: its prediction follows the machine now, not the cache (the ratios decide the same widths)."""
@@ -584,8 +621,13 @@ def test_a_warmed_up_run_rescales_cached_costs_to_the_speed_now(tmp_path):
 
 
 def test_adaptive_config_and_bad_inputs():
-    s = make_scheduler(SchedulerConfig(kind="adaptive", decay=0.8, prior=0.9, free_draft=0.0))
+    s = make_scheduler(SchedulerConfig(kind="adaptive", decay=0.8, prior=0.9, free_draft=0.0, prior_depth=0.7))
     assert isinstance(s, AdaptiveWidth) and s.decay == 0.8 and s.prior == 0.9 and s.free_draft == 0.0
+    assert s.prior_depth == 0.7
+    with pytest.raises(ValueError, match="prior_depth"):
+        SchedulerConfig(kind="adaptive", prior_depth=0.0)
+    with pytest.raises(ValueError, match="prior_depth"):
+        AdaptiveWidth(prior_depth=1.5)
     assert make_scheduler(SchedulerConfig(kind="adaptive", free_draft_max_batch=8)).free_draft_max_batch == 8
     with pytest.raises(ValueError, match="free_draft"):
         SchedulerConfig(kind="adaptive", free_draft=-0.1)
