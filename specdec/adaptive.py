@@ -55,7 +55,8 @@ predicted gain smaller than that is as likely a loss.
 Two decisions per round:
 1. `plan`, before drafting, from the history alone: if W = 0 wins, the draft is skipped (drafters whose state
    needs every proposal, `Drafter.skippable = False`, still draft, and verify nothing), unless the draft costs at
-   most `free_draft` of a plain round and `refine` will look at it: then it is always made.
+   most `free_draft` of a plain round and `refine` will look at it: then it is always made (pure-JAX drafters
+   only: a host-side drafter's drafted round leaves the compiled bursts of plain rounds, `engine.adaptive_plan`).
 2. `refine`, after drafting, for deterministic drafts (probs=None: n-gram, suffix, top-k trees) or greedy
    decoding: the actual draft lengths replace the drafted-rate estimates and the draft's cost is sunk, so W is
    chosen again (down to 0). For drafts sampled at temperature > 0 the planned W stands. A tree is verified

@@ -113,8 +113,12 @@ def empty_draft(like: Draft) -> Draft:
 
 
 def adaptive_plan(spec: LoopSpec, state: LoopState) -> jax.Array:
-    # `refine` will see the draft when decoding is greedy or the draft deterministic (see adaptive_refine)
-    look = spec.sampling.greedy or spec.drafter.deterministic
+    # `refine` will see the draft when decoding is greedy or the draft deterministic (see adaptive_refine), so a
+    # draft that costs next to nothing is always made (`free_draft`): never for a host-side drafter, whose every
+    # drafted round is a host round trip where its plain rounds run in compiled bursts. Its profiled draft cost
+    # (the difference of two loop timings) read 0.7-6.4 ms by profile; at 0.7 ms suffix decoding counted as free,
+    # drafted every round and lost 17% on open chat (docs/BENCHMARKS.md session 23).
+    look = (spec.sampling.greedy or spec.drafter.deterministic) and spec.drafter.jittable
     return spec.scheduler.plan(state.sched, spec.verify_widths, ~state.done, spec.drafter.kind == "tree", look,
                                remaining=state.limit - state.num_new, ordered=spec.drafter.ordered_tree)
 

@@ -528,6 +528,22 @@ def test_free_drafts_with_evidence_keep_greedy_equal_to_ar():
         assert m.skipped_drafts == 0 and m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, m.width_rounds
 
 
+def test_a_host_side_draft_is_never_free():
+    """With the same near-zero draft cost, the pure-JAX n-gram drafter drafts every round (`free_draft`), while
+    suffix decoding, a host-side drafter, still skips the draft when its history says so: its drafted rounds are
+    host round trips where plain ones run in compiled bursts (session 23: counted free, it lost 17% on chat)."""
+    target = peaky_target(3)
+    ar = generate(target, PROMPTS[:1], max_new_tokens=17)
+    costs = AdaptiveWidth(costs=((1.0, 1.25, 1.6, 1.8), 0.001), explore_every=4)
+    lookup = speculative_generate(target, create_drafter("ngram", target, 4, max_ngram=2), PROMPTS[:1],
+                                  max_new_tokens=17, scheduler=costs)
+    suffix = speculative_generate(target, create_drafter("suffix", target, 4), PROMPTS[:1], max_new_tokens=17,
+                                  policy="greedy_tree", scheduler=costs)
+    assert lookup.tokens == suffix.tokens == ar.tokens
+    assert lookup.metrics.skipped_drafts == 0, lookup.metrics.width_rounds
+    assert suffix.metrics.skipped_drafts > 0, suffix.metrics.width_rounds
+
+
 def test_adaptive_sampled_output_matches_target_distribution():
     """Width chosen per round from the rows' history (rounds that skip and rounds that verify both occur): the
     joint law of 9 generated tokens (T=0.7, top-k, top-p) still equals the target's, for a sampled draft (not
