@@ -550,21 +550,26 @@ def default_cost_path() -> Path:
     return cache_root() / COST_FILE
 
 
-def measure_round_costs(run_forced, num_widths: int, repeats: int = 3):
+def measure_round_costs(run_forced, num_widths: int, repeats: int = 3, time_draft=None):
     """(round_cost [K], draft_cost): seconds per loop iteration with the width forced to each bucket (k = 0:
-    the draft skipped), and what drafting adds to a round (measured as: draft, then verify nothing).
-    `run_forced(plan, refine)` runs the real compiled loop with the plan / refine decisions forced to those
-    bucket indices and returns seconds per iteration.
+    the draft skipped), and what drafting adds to a round: `time_draft()` where the draft can be timed alone
+    (pure-JAX drafters: `engine.draft_seconds`), else measured as a round that drafts and verifies nothing minus
+    a plain one. `run_forced(plan, refine)` runs the real compiled loop with the plan / refine decisions forced
+    to those bucket indices and returns seconds per iteration.
 
     The passes are interleaved (every width once, `repeats` times over) and the median of each width counts:
     the cost model predicts a run's typical time, and on a shared machine the fastest of a few passes is the
     luckiest one (taking it made every prediction 10-15% optimistic), while a slow spell during one width's
     passes would skew that width against the others if they were not interleaved."""
-    forced = [(k, k) for k in range(num_widths)] + [(num_widths - 1, 0)]  # the last: draft, verify nothing
+    forced = [(k, k) for k in range(num_widths)]
+    if time_draft is None:
+        forced.append((num_widths - 1, 0))  # draft, verify nothing
     passes = [[run_forced(plan, refine) for plan, refine in forced] for _ in range(repeats)]
     median = [float(np.median(column)) for column in zip(*passes)]
-    round_cost, draft_round = median[:num_widths], median[num_widths]
-    return round_cost, max(draft_round - round_cost[0], 0.0)
+    round_cost = median[:num_widths]
+    if time_draft is not None:
+        return round_cost, time_draft()
+    return round_cost, max(median[num_widths] - round_cost[0], 0.0)
 
 
 def load_or_measure_round_costs(key: str, measure, path=None, reprofile: bool = False):

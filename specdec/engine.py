@@ -557,10 +557,9 @@ def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, length
 
     def measure():
         measured.append(True)
-        round_cost, draft_cost = measure_round_costs(run_forced, len(spec.verify_widths))
-        if drafter.jittable:  # timed alone: the difference of two noisy loop timings flipped `free_draft`
-            draft_cost = draft_seconds(spec, target, drafter, fake, lengths, capacity)
-        return round_cost, draft_cost
+        # a pure-JAX draft is timed alone: the difference of two noisy loop timings flipped `free_draft`
+        alone = (lambda: draft_seconds(spec, target, drafter, fake, lengths, capacity)) if drafter.jittable else None
+        return measure_round_costs(run_forced, len(spec.verify_widths), time_draft=alone)
 
     key = cost_key(target, drafter, spec.policy.name, spec.sampling, len(tokens), capacity, spec.verify_widths)
     round_cost, draft_cost = load_or_measure_round_costs(key, measure, sched.cost_path, sched.reprofile)
@@ -574,11 +573,11 @@ def draft_seconds(spec: LoopSpec, target: Target, drafter: Drafter, tokens, leng
                   calls: int = 4 * PROFILE_ROUNDS, repeats: int = 3) -> float:
     """Seconds one `propose` of a pure-JAX drafter takes, timed alone in a compiled loop of `calls` drafts from
     the prefilled prompts (the committed length moves by one token per call, so nothing is hoisted out of the
-    loop); the median of `repeats` runs. `measure_round_costs` gets it as the difference between a drafted
-    round that verifies nothing and a plain one, two loop timings whose noise (~1-2 ms here) exceeds prompt
+    loop); the median of `repeats` runs. Without it `measure_round_costs` takes the difference between a
+    drafted round that verifies nothing and a plain one, two loop timings whose noise (~1-2 ms here) exceeds prompt
     lookup's whole draft (~1 us): one profile measured n-gram's draft at 3.8 ms, 14% of a round, so the
-    adaptive width stopped treating it as free (`free_draft`) and the quickstart's rewrite prompt fell from
-    2.57x to 1.35x AR (docs/BENCHMARKS.md session 23)."""
+    adaptive width stopped treating it as free (`free_draft`) and the quickstart's rewrite prompt, replayed
+    with that profile, fell from 2.13x to 1.35x AR (docs/BENCHMARKS.md session 23)."""
     state = start(spec, target, drafter, target.init_cache(len(tokens), capacity), tokens, lengths, capacity,
                   PROFILE_ROUNDS, 0)
 
