@@ -10,10 +10,11 @@ Greedy, batch 1, each prompt decoded by:
     (`LlamaPromptLookupDecoding`), `--threads` threads (default: all cores).
 
 Peers time their whole call, prefill included, so every tok/s here is new tokens / (prefill + decode); the
-ratios printed at the end (specdec / peer) are from this one run on this machine; with --repeats R every method
-runs once per pass, R passes interleaved, and each figure is the median over the passes (of tok/s, and of each
-per-pass ratio; with R >= 5 the specdec / peer ratios also print a distribution-free 90% interval of that
-median, `benchmarks.common.median_interval`). Greedy outputs are compared
+ratios printed at the end (specdec / peer) are from this one run on this machine. The methods are interleaved
+prompt by prompt (every method decodes prompt 1, then every method prompt 2, ...), so each pass compares them
+over the same minute of the VM; with --repeats R there are R such passes, and each figure is the median over
+the passes (of tok/s, and of each per-pass ratio; with R >= 5 the specdec / peer ratios also print a
+distribution-free 90% interval of that median, `benchmarks.common.median_interval`). Greedy outputs are compared
 token for token with specdec's AR (transformers and llama.cpp accumulate float32 differently, so a long
 output may drift at a near-tie; the count of identical prompts is printed).
 
@@ -73,8 +74,9 @@ def write_f32_gguf(src: Path, dst: Path) -> Path:
     return dst
 
 
-def run_llama_cpp(gguf_path: Path, prompts, max_new: int, eos, threads: int, lookup: int = 0):
-    """llama.cpp greedy on token-id prompts; lookup > 0: prompt-lookup drafting of that many tokens."""
+def llama_cpp_decoder(gguf_path: Path, max_new: int, eos, threads: int, lookup: int = 0):
+    """A llama.cpp greedy decoder of one token-id prompt (`decode(prompt) -> new tokens`), loaded and warmed up;
+    lookup > 0: prompt-lookup drafting of that many tokens."""
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -82,7 +84,7 @@ def run_llama_cpp(gguf_path: Path, prompts, max_new: int, eos, threads: int, loo
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                           n_batch=512, verbose=False, draft_model=draft, logits_all=bool(lookup))
 
-    def one(p):
+    def decode(p):
         llm.reset()
         out = []
         for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
@@ -91,14 +93,8 @@ def run_llama_cpp(gguf_path: Path, prompts, max_new: int, eos, threads: int, loo
                 break
         return out
 
-    one(prompts[0][:8])  # warm-up
-    outputs, seconds = [], 0.0
-    for p in prompts:
-        t0 = time.perf_counter()
-        outputs.append(one(p))
-        seconds += time.perf_counter() - t0
-    tokens = sum(len(o) for o in outputs)
-    return outputs, {"new_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+    decode([1, 2, 3, 4, 5, 6, 7, 8])  # warm-up
+    return decode
 
 
 def run_hf_plain(gguf_path: str, prompts, max_new: int, eos):
@@ -143,32 +139,33 @@ def main(argv=None) -> int:
     prompts = [target.tokenizer.encode_chat(text) for _, text in texts]
     print(f"# {target.cfg.name}; {len(prompts)} prompts ({args.prompts}), greedy, batch 1, {args.max_new_tokens} "
           f"new tokens; {os.cpu_count()} CPUs, load avg {load_at_start[0]:.2f}", flush=True)
-    groups = [[p] for p in prompts]
-    methods = {}  # name -> a call returning (outputs, new tokens, seconds), run once per pass
+    # name -> run(i): (output of prompt i, new tokens, seconds, prefill included), compile excluded
+    methods = {}
 
-    def specdec_ar():
-        tokens, m = run_ar(target, groups, args.max_new_tokens)
-        return tokens, m.new_tokens, m.decode_seconds + m.prefill_seconds
+    def specdec_ar(i):
+        tokens, m = run_ar(target, [[prompts[i]]], args.max_new_tokens)
+        return tokens[0], m.new_tokens, m.decode_seconds + m.prefill_seconds
 
     methods["specdec AR"] = specdec_ar
     for text in args.drafters:
         spec = DrafterSpec.parse(text)
         drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
 
-        def specdec_spec(spec=spec, drafter=drafter):
-            tokens, m = run_spec(target, drafter, spec.policy_for(drafter), groups, args.max_new_tokens,
-                                 spec.buckets, spec.make_scheduler())
-            return tokens, m.new_tokens, m.decode_seconds + m.prefill_seconds
+        def specdec_spec(i, spec=spec, drafter=drafter):
+            # suffix decoding's global corpus starts empty each pass and grows over its prompts, as in one call
+            tokens, m = run_spec(target, drafter, spec.policy_for(drafter), [[prompts[i]]], args.max_new_tokens,
+                                 spec.buckets, spec.make_scheduler(), clear=i == 0)
+            return tokens[0], m.new_tokens, m.decode_seconds + m.prefill_seconds
 
         methods[f"specdec {spec.label}"] = specdec_spec
     if not args.skip_transformers:
-        def hf(run, *extra):
-            out, r = run(str(gguf_path), prompts, args.max_new_tokens, eos, *extra)
-            return out, r["new_tokens"], r["seconds"]
+        def hf(i, run, *extra):
+            out, r = run(str(gguf_path), [prompts[i]], args.max_new_tokens, eos, *extra)
+            return out[0], r["new_tokens"], r["seconds"]
 
-        methods["transformers greedy"] = lambda: hf(run_hf_plain)
-        methods[f"transformers prompt lookup ({args.lookup_tokens})"] = lambda: hf(run_hf_prompt_lookup,
-                                                                                   args.lookup_tokens)
+        methods["transformers greedy"] = lambda i: hf(i, run_hf_plain)
+        methods[f"transformers prompt lookup ({args.lookup_tokens})"] = lambda i: hf(i, run_hf_prompt_lookup,
+                                                                                     args.lookup_tokens)
     if not args.skip_llama_cpp:
         try:
             import llama_cpp  # noqa: F401
@@ -177,25 +174,37 @@ def main(argv=None) -> int:
         else:
             f32 = write_f32_gguf(gguf_path, gguf_path.with_name(gguf_path.stem + ".f32.gguf"))
             for lookup in (0, args.lookup_tokens):
-                def llama(lookup=lookup):
-                    out, r = run_llama_cpp(f32, prompts, args.max_new_tokens, eos, args.threads, lookup)
-                    return out, r["new_tokens"], r["seconds"]
+                decode = llama_cpp_decoder(f32, args.max_new_tokens, eos, args.threads, lookup)
+
+                def llama(i, decode=decode):
+                    t0 = time.perf_counter()
+                    out = decode(prompts[i])
+                    return out, len(out), time.perf_counter() - t0
 
                 methods[f"llama.cpp f32 prompt lookup ({lookup})" if lookup else "llama.cpp f32 greedy"] = llama
 
-    # Every method once per pass, the passes interleaved: this VM's speed drifts by 10-30% over minutes, so
-    # methods run one after the other in a single pass compare different machines; the median over passes of
-    # each method's tok/s, and of each per-pass ratio, is what the tables report.
+    # This VM's speed drifts by 10-30% over minutes: methods run one after the other over all prompts compare
+    # different machines (session 24: one pass ran specdec 22% slow and llama.cpp 12% fast). So every method
+    # decodes a prompt before any moves to the next, and the passes repeat that; the tables report the median
+    # over passes of each method's tok/s and of each per-pass ratio.
     passes = {name: [] for name in methods}
     ref = None
-    for i in range(args.repeats):
-        for name, run in methods.items():
-            outputs, new_tokens, seconds = run()
-            ref = outputs if ref is None else ref
-            same = sum(a == b for a, b in zip(outputs, ref))
+    for p in range(args.repeats):
+        outputs = {name: [] for name in methods}
+        totals = {name: [0, 0.0] for name in methods}  # new tokens, seconds
+        for i in range(len(prompts)):
+            for name, run in methods.items():
+                out, new_tokens, seconds = run(i)
+                outputs[name].append(out)
+                totals[name][0] += new_tokens
+                totals[name][1] += seconds
+        ref = outputs["specdec AR"] if ref is None else ref
+        for name in methods:
+            new_tokens, seconds = totals[name]
+            same = sum(a == b for a, b in zip(outputs[name], ref))
             passes[name].append({"tok_s": new_tokens / seconds, "new_tokens": new_tokens, "seconds": seconds,
                                  "same": same})
-            print(f"  pass {i + 1}/{args.repeats}  {name:45s} {new_tokens / seconds:6.1f} tok/s (incl. prefill)  "
+            print(f"  pass {p + 1}/{args.repeats}  {name:45s} {new_tokens / seconds:6.1f} tok/s (incl. prefill)  "
                   f"same as specdec AR {same}/{len(ref)}", flush=True)
     rows = []
     for name, runs in passes.items():
