@@ -33,14 +33,16 @@ import numpy as np
 
 from benchmarks.common import DEFAULT_DATA, command_line, interval_text, load_prompts, median_interval, write_json
 from drafters import create_drafter
+from specdec import engine
 from specdec.adaptive import AdaptiveWidth
 from specdec.engine import speculative_generate
 from specdec.drafter import RoundContext
-from specdec.generate import cache_capacity, generate
+from specdec.generate import cache_capacity, generate, pad_prompts
 from specdec.models import registry
 from specdec.models.loading import load_checkpoint
 from specdec.sampling import GREEDY
 from specdec.target import Target
+from specdec.verify import get_policy
 
 NEVER = 10 ** 6  # an exploration gap no run reaches: the given costs alone decide every round
 
@@ -76,31 +78,26 @@ def _per_call_microseconds(step, carry, calls: int = 500) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def draft_parts_microseconds(drafter, prompts, new_tokens: int) -> dict:
-    """The n-gram draft and the adaptive `refine` of it, each alone in a compiled loop, on the prompts' own
-    tokens in a sequence of the loop's capacity (the committed length moves by one token per call, wrapping, so
-    nothing is hoisted out of the loop)."""
+def draft_parts_microseconds(target, drafter, prompts, new_tokens: int) -> dict:
+    """The n-gram draft alone (`engine.draft_seconds`, what the cost profile uses) and the adaptive `refine` of
+    it alone in a compiled loop, on the prompts' own tokens in a sequence of the loop's capacity (the committed
+    length moves by one token per call, wrapping, so nothing is hoisted out of the loop)."""
     batch, n = len(prompts), drafter.num_draft_tokens
-    capacity = cache_capacity([len(p) for p in prompts], new_tokens, extra=n + 1)
+    tokens, lengths = pad_prompts(prompts, target.cfg.pad_token_id or 0)
+    capacity = cache_capacity(lengths.tolist(), new_tokens, extra=n + 1)
+    spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter,
+                           policy=get_policy("greedy_chain"), sampling=GREEDY, eos_ids=tuple(target.eos_token_ids))
+    propose_us = engine.draft_seconds(spec, target, drafter, tokens, lengths, capacity) * 1e6
+
     seq = np.zeros((batch, capacity), np.int32)
     for b, p in enumerate(prompts):
         seq[b, : len(p)] = p
-    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     done = jnp.zeros((batch,), bool)
-    seq = jnp.asarray(seq)
-
-    def draft_at(i):
-        ctx = RoundContext(seq=seq, seq_len=lengths - i % 8, done=done)
-        return drafter.propose(None, None, ctx, GREEDY, jax.random.PRNGKey(0))[0]
-
-    def propose_step(carry):
-        i, acc = carry
-        return i + 1, acc + jnp.sum(draft_at(i).tokens)
-
+    ctx = RoundContext(seq=jnp.asarray(seq), seq_len=jnp.asarray(lengths), done=done)
+    draft = drafter.propose(None, None, ctx, GREEDY, jax.random.PRNGKey(0))[0]
     widths = (0, 1, 3, n)
     sched = AdaptiveWidth(costs=((1.0, 1.2, 1.4, 1.6), 0.01))
     st = sched.init_state(batch, n, sched.costs, drafter.evidence_classes)
-    draft = draft_at(0)
     remaining = jnp.full((batch,), new_tokens, jnp.int32)
 
     def refine_step(carry):
@@ -109,8 +106,7 @@ def draft_parts_microseconds(drafter, prompts, new_tokens: int) -> dict:
                                remaining=remaining - i % 8)
         return i + 1, dataclasses.replace(st, quiet_rounds=st.quiet_rounds + jnp.sum(cut.valid))
 
-    return {"propose_us": _per_call_microseconds(propose_step, (jnp.int32(0), jnp.int32(0))),
-            "refine_us": _per_call_microseconds(refine_step, (jnp.int32(0), st))}
+    return {"propose_us": propose_us, "refine_us": _per_call_microseconds(refine_step, (jnp.int32(0), st))}
 
 
 def main(argv=None) -> dict:
@@ -151,7 +147,7 @@ def main(argv=None) -> dict:
         row = {"batch": batch, **{k: float(np.median(v)) for k, v in ms.items()}, "passes_ms": ms,
                "ratio_to_ar": {k: float(np.median(v)) for k, v in ratios.items()},
                "ratio_to_ar_interval": {k: median_interval(v) for k, v in ratios.items()},
-               **draft_parts_microseconds(drafter, prompts, args.new_tokens)}
+               **draft_parts_microseconds(target, drafter, prompts, args.new_tokens)}
         summary["rows"].append(row)
         print(f"B={batch}: AR step {row['AR step']:.2f} ms, " + ", ".join(
             f"{k} {row[k]:.2f} ms ({row['ratio_to_ar'][k]:.3f}x by pass{interval_text(row['ratio_to_ar_interval'][k])})"

@@ -659,3 +659,36 @@ def test_adaptive_config_and_bad_inputs():
                              scheduler=AdaptiveWidth(costs=((1.0, 1.0, 1.0), 0.0)))
     assert adaptive.cost_key(target, create_drafter("ngram", target, 4), "greedy_chain", SAMPLING, 2, 300,
                              (0, 1)).count("|") >= 8
+
+
+def test_replay_prices_the_chosen_rounds_deterministically():
+    """`benchmarks/replay_adaptive.replay`: with given costs a replay is a pure function of the prompts (same
+    figures twice), every output is AR's, and its predicted seconds are the chosen rounds priced by the costs.
+    Verify widths that never pay leave only plain rounds, priced exactly as AR's steps (speedup 1); cheap ones
+    make the drafts pay on the repetitive prompts."""
+    from benchmarks.common import DrafterSpec, groups_of
+    from benchmarks.replay_adaptive import cost_label, replay
+
+    target = peaky_target(1)  # its greedy output repeats a token (31 x 7 in one row): drafts get accepted
+    spec = DrafterSpec.parse("ngram:k=4,max_ngram=2,scheduler=adaptive,explore_every=4")
+    drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
+    groups = groups_of(PROMPTS, 1)  # batch 1: a row's accepted drafts shorten its own group
+    ar = [generate(target, g, max_new_tokens=17).tokens for g in groups]
+
+    def run(round_costs):
+        costs = {cost_label(spec, g, 17): (round_costs, 1e-6) for g in groups}
+        return replay(target, drafter, spec, groups, ar, 17, costs)
+
+    never = run((1.0, 1e3, 1e3, 1e3))  # an exploring round would cost 999 plain ones: the budget forbids it
+    assert never["lossless"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
+    assert sum(never["width_rounds"][1:]) == 0 and never["accepted"] == 0
+    assert never["predicted_speedup"] == pytest.approx(1.0, rel=1e-6)
+    assert never["ar_predicted_seconds"] == pytest.approx(sum(max(map(len, a)) - 1 for a in ar))
+
+    cheap = run((1.0, 1.01, 1.02, 1.03))
+    assert cheap == run((1.0, 1.01, 1.02, 1.03))  # deterministic
+    assert cheap["lossless"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
+    assert len(cheap["width_rounds"]) == 4  # widths 0 / 1 / 3 / 4: the auto buckets of a 4-token chain
+    priced = sum(n * c for n, c in zip(cheap["width_rounds"], (1.0, 1.01, 1.02, 1.03)))
+    assert cheap["predicted_seconds"] == pytest.approx(priced, abs=1e-4 * sum(cheap["width_rounds"]))
+    assert cheap["accepted"] > 0 and cheap["tau"] > 1 and cheap["predicted_speedup"] > 1, cheap
