@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import glob
 import json
 from pathlib import Path
 
@@ -258,44 +257,6 @@ def test_cli_run_and_bad_input(tmp_path, capsys):
     assert "scheduler.kind" in capsys.readouterr().err
 
 
-def test_wandb_offline_run_directory(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = tiny_cfg(tmp_path, "wb", "tracking.backend=wandb", f"tracking.dir={tmp_path / 'wandb_dir'}",
-                   "tracking.group=g", "tracking.tags=[test]", "data.datasets.0.limit=1")
-    run_experiment(cfg, progress=False, echo=quiet)
-    runs = glob.glob(str(tmp_path / "wandb_dir" / "wandb" / "offline-run-*" / "run-*.wandb"))
-    assert len(runs) == 1 and Path(runs[0]).stat().st_size > 0
-
-
-def test_wandb_run_resumes_by_stored_id_and_records_artifacts(tmp_path, monkeypatch):
-    """A tracker made with the same resume_dir continues the same W&B run (the id kept in tracking.json); files
-    become artifacts; an input artifact offline is recorded in the config with its files' digests."""
-    import json
-
-    from experiments.tracking import TRACKING_FILE, make_tracker
-    from specdec.config import TrackingConfig
-
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = TrackingConfig(backend="wandb", mode="offline", project="t")
-    run_dir = tmp_path / "run"
-    (tmp_path / "manifest.json").write_text('{"prompts_sha": "abc"}')
-    with make_tracker(cfg, run_name="r", out_dir=run_dir, resume_dir=run_dir) as first:
-        first.use_artifact("distill-data-x", "dataset", [tmp_path / "manifest.json"])
-        first.log_artifact("drafter-x", "model", [tmp_path / "manifest.json"])
-        first_id = first.run_id
-        recorded = json.loads(first.run.config["inputs/distill-data-x"])
-    assert recorded["files"]["manifest.json"] and recorded["kind"] == "dataset"
-    assert json.loads((run_dir / TRACKING_FILE).read_text())["wandb_run_id"] == first_id
-    with make_tracker(cfg, run_name="r", out_dir=run_dir, resume_dir=run_dir) as again:
-        assert again.run_id == first_id
-        with pytest.raises(FileNotFoundError, match="missing.bin"):
-            again.log_artifact("drafter-x", "model", [tmp_path / "missing.bin"])
-    # both sessions write under the one run id (a directory per start, "-1" if in the same second): one run
-    runs = glob.glob(str(run_dir / "wandb" / f"offline-run-*-{first_id}*"))
-    assert runs and sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*"))) == sorted(runs)
-
-
 # ------------------------------------------------------------------------------------------------ sweep
 
 
@@ -519,7 +480,8 @@ def test_multi_turn_mt_bench_prompts(tmp_path):
 
     assert fill_own_answers(items, answer) == 4  # 2 questions x (the first turn, the first two turns)
     assert asked[0] == [[{"role": "user", "content": "One. (81)"}], [{"role": "user", "content": "One. (82)"}]]
-    assert third.messages == [{"role": "user", "content": "One. (81)"}, {"role": "assistant", "content": "A1:One. (81)"},
+    assert third.messages == [{"role": "user", "content": "One. (81)"},
+                              {"role": "assistant", "content": "A1:One. (81)"},
                               {"role": "user", "content": "Two. (81)"},
                               {"role": "assistant", "content": "A3:Two. (81)"},
                               {"role": "user", "content": "Three. (81)"}]
