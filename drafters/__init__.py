@@ -20,7 +20,7 @@ AUTO = "auto"  # create_drafter("auto", ..., path=...): the kind comes from the 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "trained" / "dspark_smollm2_mix"
 # Modules that register drafters, imported on first use (so importing `drafters` stays cheap).
 _MODULES = ("drafters.ngram", "drafters.draft_lm", "drafters.suffix", "drafters.eagle3", "drafters.medusa",
-            "drafters.distilled_lm", "drafters.dflash", "drafters.dspark")
+            "drafters.distilled_lm", "drafters.dflash", "drafters.dspark", "drafters.hybrid")
 
 
 def register(name: str):

@@ -47,7 +47,9 @@ class NgramDrafter(Drafter):
             raise ValueError(f"ngram drafter needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.num_draft_tokens, self.max_ngram, self.min_ngram = num_draft_tokens, max_ngram, min_ngram
 
-    def propose(self, params, state, ctx: RoundContext, sampling, key):
+    def _best_match(self, ctx: RoundContext):
+        """(int32 [B] the matched occurrence's last slot, bool [B] found, int32 [B] how far back it matches, up
+        to 8 tokens)."""
         seq, seq_len = ctx.seq, ctx.seq_len
         capacity = seq.shape[1]
         length = match_lengths(seq, seq_len, max(self.max_ngram, MATCH_CLASS_STARTS[-1]))
@@ -55,11 +57,21 @@ class NgramDrafter(Drafter):
         ngram = jnp.where(length >= self.min_ngram, jnp.minimum(length, self.max_ngram), 0)
         best = jnp.argmax(ngram * capacity + jnp.arange(capacity)[None, :], axis=1)  # [B] the match's last slot
         found = jnp.take_along_axis(ngram, best[:, None], axis=1)[:, 0] > 0
+        return best, found, jnp.take_along_axis(length, best[:, None], axis=1)[:, 0] * found
+
+    def match_length(self, ctx: RoundContext) -> jax.Array:
+        """int32 [B]: how many tokens of committed context the drafted continuation's match spans (0: none)."""
+        return self._best_match(ctx)[2]
+
+    def propose(self, params, state, ctx: RoundContext, sampling, key):
+        seq, seq_len = ctx.seq, ctx.seq_len
+        capacity = seq.shape[1]
+        best, found, matched = self._best_match(ctx)
         cont = jnp.where(found, best + 1, -1)
         idx = cont[:, None] + jnp.arange(self.num_draft_tokens)[None, :]
         valid = (cont[:, None] >= 0) & (idx < seq_len[:, None])
         tokens = jnp.take_along_axis(seq, jnp.clip(idx, 0, capacity - 1), axis=1)
-        evidence = match_length_class(jnp.take_along_axis(length, best[:, None], axis=1)[:, 0] * found)
+        evidence = match_length_class(matched)
         return Draft.chain(jnp.where(valid, tokens, 0), probs=None, valid=valid, evidence=evidence), state
 
     def describe(self):

@@ -1,0 +1,94 @@
+"""Hybrid drafting: prompt lookup where the context repeats itself, a trained drafter everywhere else.
+
+Prompt lookup and a trained drafter fail in different places. Lookup is nearly free and is accepted for many
+tokens in a row where the answer copies the prompt or itself (code that repeats a signature, a rewrite), but
+drafts nothing useful in open text. A trained drafter (DSpark, DFlash, ...) predicts open text better, but
+rarely guesses a long copied span as well as a lookup that has already seen it. Each round, per row, this
+drafter proposes the lookup's continuation when the committed context ends in a match of at least
+`min_match` tokens, and the trained drafter's draft otherwise. (Arctic Inference pairs suffix decoding with a
+model drafter the same way, choosing by the suffix match's score.)
+
+Why it stays lossless: the choice reads only the committed context (the match length), never a sampled draft
+token, and each row's draft carries the distribution it was drawn from (the trained drafter's q, or the
+one-hot of the deterministic lookup), so rejection sampling is exact for either.
+
+The trained drafter sees every round as usual (its `propose` runs each round and its `update` folds in the
+target's hidden states of whatever was verified), so switching rows between the two drafts costs it nothing.
+The draft's evidence class (`Draft.evidence`, which the adaptive verify width keeps its acceptance history by)
+is 0 for the trained drafter's draft and 1 + the lookup's match-length class for the lookup's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from drafters import SHIPPED_DRAFTER, create_drafter, register
+from drafters.ngram import NgramDrafter
+from specdec.drafter import MATCH_CLASS_STARTS, Draft, Drafter, RoundContext, match_length_class
+
+NAME = "hybrid"
+
+
+class HybridDrafter(Drafter):
+    """Per row: the lookup's draft when the context ends in a match of >= `min_match` tokens, else `model`'s."""
+
+    name = NAME
+    kind = "chain"
+    jittable = True
+    evidence_classes = 1 + len(MATCH_CLASS_STARTS)  # 0: the model's draft; 1 + c: the lookup's, match class c
+
+    def __init__(self, model: Drafter, lookup: NgramDrafter, min_match: int):
+        if model.kind != "chain" or not model.jittable:
+            raise ValueError(f"hybrid: the trained drafter must draft chains in JAX; {model.name!r} does not")
+        if min_match < 1:
+            raise ValueError(f"hybrid: min_match must be >= 1, got {min_match}")
+        self.model, self.lookup, self.min_match = model, lookup, int(min_match)
+        self.num_draft_tokens = model.num_draft_tokens
+        self.taps, self.params, self.skippable = model.taps, model.params, model.skippable
+
+    def init(self, params, prompt, capacity):
+        return self.model.init(params, prompt, capacity)
+
+    def choose_lookup(self, ctx: RoundContext) -> tuple[jax.Array, jax.Array]:
+        """(bool [B] rows whose lookup draft is used, int32 [B] the lookup's match length), from the committed
+        context alone."""
+        length = self.lookup.match_length(ctx)
+        return length >= self.min_match, length
+
+    def propose(self, params, state, ctx: RoundContext, sampling, key):
+        model_draft, state = self.model.propose(params, state, ctx, sampling, key)
+        lookup_draft, _ = self.lookup.propose({}, (), ctx, sampling, key)
+        use, length = self.choose_lookup(ctx)
+        pick = lambda a, b: jnp.where(use.reshape(use.shape + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+        probs = None
+        if model_draft.probs is not None:  # sampled: the lookup's rows carry their one-hot q
+            one_hot = jax.nn.one_hot(lookup_draft.tokens, model_draft.probs.shape[-1], dtype=model_draft.probs.dtype)
+            probs = pick(one_hot, model_draft.probs)
+        evidence = jnp.where(use, 1 + match_length_class(length), 0)
+        draft = Draft.chain(pick(lookup_draft.tokens, model_draft.tokens), probs=probs,
+                            valid=pick(lookup_draft.valid, model_draft.valid), evidence=evidence)
+        return draft, state
+
+    def update(self, params, state, ctx, result, taps):
+        return self.model.update(params, state, ctx, result, taps)
+
+    def profiling(self):
+        return self.model.profiling()
+
+    def static_key(self) -> tuple:
+        return (type(self).__qualname__, self.model.static_key(), self.lookup.static_key(), self.min_match)
+
+    def describe(self):
+        return {**self.model.describe(), "drafter": NAME, "model": self.model.name, "min_match": self.min_match,
+                "max_ngram": self.lookup.max_ngram}
+
+
+@register(NAME)
+def make(target, num_draft_tokens: int, path: str = str(SHIPPED_DRAFTER), min_match: int = 3,
+         max_ngram: int = 3):
+    """`path`: a trained chain drafter's directory (the kind read from it; default: the shipped DSpark);
+    `min_match`: the shortest lookup match (tokens) whose continuation is drafted instead of the model's;
+    `max_ngram`: the lookup's longest n-gram (as the ngram drafter's)."""
+    model = create_drafter(None, target, num_draft_tokens, path=path)
+    return HybridDrafter(model, NgramDrafter(num_draft_tokens, max_ngram=max_ngram), min_match)
