@@ -12,8 +12,11 @@ Why it stays lossless: the choice reads only the committed context (the match le
 token, and each row's draft carries the distribution it was drawn from (the trained drafter's q, or the
 one-hot of the deterministic lookup), so rejection sampling is exact for either.
 
-The trained drafter sees every round as usual (its `propose` runs each round and its `update` folds in the
-target's hidden states of whatever was verified), so switching rows between the two drafts costs it nothing.
+The trained drafter's `update` folds in the target's hidden states of whatever was verified, every round, so
+switching rows between the two drafts costs it nothing; its `propose` (the forward that costs) is skipped in
+rounds where every active row copies. The draft's evidence class is known before drafting
+(`evidence_before_draft`), so the adaptive verify width plans a row about to copy with the lookup's history and
+drafts it even where the model's drafts have stopped paying.
 The draft's evidence class (`Draft.evidence`, which the adaptive verify width keeps its acceptance history by)
 is 0 for the trained drafter's draft and 1 + the lookup's match-length class for the lookup's.
 """
@@ -56,18 +59,38 @@ class HybridDrafter(Drafter):
         length = self.lookup.match_length(ctx)
         return length >= self.min_match, length
 
-    def propose(self, params, state, ctx: RoundContext, sampling, key):
-        model_draft, state = self.model.propose(params, state, ctx, sampling, key)
-        lookup_draft, _ = self.lookup.propose({}, (), ctx, sampling, key)
+    def evidence_before_draft(self, ctx: RoundContext) -> jax.Array:
+        """The draft's evidence class, from the committed context alone (so the adaptive width plans with the
+        lookup's history in a row about to copy, and with the model's elsewhere)."""
         use, length = self.choose_lookup(ctx)
-        pick = lambda a, b: jnp.where(use.reshape(use.shape + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+        return jnp.where(use, 1 + match_length_class(length), 0)
+
+    def propose(self, params, state, ctx: RoundContext, sampling, key):
+        lookup_draft, _ = self.lookup.propose({}, (), ctx, sampling, key)
+        use, _ = self.choose_lookup(ctx)
+        shapes = jax.eval_shape(lambda: self.model.propose(params, state, ctx, sampling, key))
+
+        def model_propose():
+            return self.model.propose(params, state, ctx, sampling, key)
+
+        def no_model():  # every active row copies: the model's forward is skipped (a skippable model's state
+            # needs no proposal)
+            kept = jax.tree.map(lambda s, x: jnp.asarray(x, s.dtype), shapes[1], state)
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0]), kept
+
+        if self.model.skippable:  # a function of the committed context alone: sampled drafts stay exact
+            model_draft, state = jax.lax.cond(jnp.all(use | ctx.done), no_model, model_propose)
+        else:  # its propose catches up on the committed tokens (EAGLE-3, draft LMs): it runs every round
+            model_draft, state = model_propose()
+        take = use | ctx.done  # finished rows take the lookup's draft: never the skipped model's zeros as q
+        pick = lambda a, b: jnp.where(take.reshape(take.shape + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
         probs = None
         if model_draft.probs is not None:  # sampled: the lookup's rows carry their one-hot q
             one_hot = jax.nn.one_hot(lookup_draft.tokens, model_draft.probs.shape[-1], dtype=model_draft.probs.dtype)
             probs = pick(one_hot, model_draft.probs)
-        evidence = jnp.where(use, 1 + match_length_class(length), 0)
         draft = Draft.chain(pick(lookup_draft.tokens, model_draft.tokens), probs=probs,
-                            valid=pick(lookup_draft.valid, model_draft.valid), evidence=evidence)
+                            valid=pick(lookup_draft.valid, model_draft.valid),
+                            evidence=self.evidence_before_draft(ctx))
         return draft, state
 
     def update(self, params, state, ctx, result, taps):
@@ -85,10 +108,12 @@ class HybridDrafter(Drafter):
 
 
 @register(NAME)
-def make(target, num_draft_tokens: int, path: str = str(SHIPPED_DRAFTER), min_match: int = 3,
+def make(target, num_draft_tokens: int, path: str = str(SHIPPED_DRAFTER), min_match: int = 2,
          max_ngram: int = 3):
     """`path`: a trained chain drafter's directory (the kind read from it; default: the shipped DSpark);
-    `min_match`: the shortest lookup match (tokens) whose continuation is drafted instead of the model's;
-    `max_ngram`: the lookup's longest n-gram (as the ngram drafter's)."""
+    `min_match`: the shortest lookup match (tokens) whose continuation is drafted instead of the model's (1, 2,
+    3 and 4 gave mean engine tau 1.85, 1.88, 1.88 and 1.81 with the shipped DSpark on MT-Bench / GSM8K /
+    HumanEval; 2 was ahead on MT-Bench and GSM8K; docs/TRAINING.md, session 25); `max_ngram`: the lookup's
+    longest n-gram (as the ngram drafter's)."""
     model = create_drafter(None, target, num_draft_tokens, path=path)
     return HybridDrafter(model, NgramDrafter(num_draft_tokens, max_ngram=max_ngram), min_match)

@@ -357,11 +357,12 @@ class AdaptiveWidth:
         floor = jnp.ceil(jnp.maximum(extra, 0.0) / self.explore_budget - 1e-3)  # 1e-3: float32 rounding
         return jnp.clip(floor, self.explore_every, self.explore_max).astype(jnp.int32)
 
-    def _expected_by_width(self, st: AdaptiveState, widths, remaining) -> jax.Array:
+    def _expected_by_width(self, st: AdaptiveState, widths, remaining, evidence=None) -> jax.Array:
         """[B, K, N]: P(position j drafted and accepted) per row, for the positions a verify width of widths[k]
         covers and the row can still commit (j < r_b - 1: the round's own token comes first), 0 elsewhere;
-        before drafting and uncalibrated."""
-        gain = self._rate(st.drafted, st.drafts) * self.survival(st)  # [B, N]
+        before drafting and uncalibrated. `evidence` [B]: the draft's evidence class if known before drafting
+        (`Drafter.evidence_before_draft`), else None (pooled over the classes)."""
+        gain = self._rate(st.drafted, st.drafts) * self.survival(st, evidence)  # [B, N]
         upto = jnp.minimum(jnp.asarray(widths)[None, :], _room(remaining, gain.shape))  # [B, K]
         covered = jnp.arange(gain.shape[1])[None, None, :] < upto[:, :, None]  # [B, K, N]
         return jnp.where(covered, gain[:, None, :], 0.0)
@@ -379,15 +380,20 @@ class AdaptiveWidth:
         return jnp.where(jnp.any(active), progress, 1.0)  # no active row: any width (the loop is ending)
 
     def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool,
-             look: bool = False, remaining: jax.Array | None = None, ordered: bool = False) -> jax.Array:
+             look: bool = False, remaining: jax.Array | None = None, ordered: bool = False,
+             evidence: jax.Array | None = None) -> jax.Array:
         """Index into `widths` to draft for, from the history alone (0: skip the draft). With `look` (`refine`
         will see the draft: a deterministic draft, or greedy decoding) a draft that costs at most `free_draft`
         of a plain round is always made: then `refine` chooses from the draft itself (its length, its evidence
         class), which the history cannot foresee, for next to nothing. `remaining` int32 [B]: the tokens each
         row may still commit (None: unbounded). `ordered` (trees): the drafter's nodes are in priority order
-        (`Drafter.ordered_tree`), so a prefix of them may be verified."""
+        (`Drafter.ordered_tree`), so a prefix of them may be verified. `evidence` int32 [B]: the coming draft's
+        evidence class where the drafter knows it before drafting (`Drafter.evidence_before_draft`; None: the
+        history pooled over the classes)."""
         n = st.hits.shape[2]
-        value = self._value(st, self._expected_by_width(st, widths, remaining), active, remaining)
+        if evidence is not None:
+            evidence = jnp.clip(evidence, 0, st.hits.shape[1] - 1)
+        value = self._value(st, self._expected_by_width(st, widths, remaining, evidence), active, remaining)
         best = self._best(value, st.round_cost, self._allowed(st, widths, n, tree, ordered))
         if look and self.free_draft > 0 and st.hits.shape[0] <= self.free_draft_max_batch:
             free = st.draft_cost <= self.free_draft * st.round_cost[0]

@@ -220,6 +220,14 @@ class Drafter:
           part with a cumulative minimum; the first part no code can check."""
         raise NotImplementedError(f"drafter {self.name!r} has no draft confidences")
 
+    def evidence_before_draft(self, ctx: RoundContext) -> jax.Array | None:
+        """int32 [B]: the evidence class (`Draft.evidence`) the next draft will carry, known from the committed
+        context alone before drafting, cheaply; or None (the default: known only from the draft). The adaptive
+        width then plans with that class's acceptance history instead of the history pooled over the classes, so
+        a round it would skip on the pooled history is drafted when the row's class pays (the hybrid drafter: a
+        long lookup match in a row whose model drafts rarely pay). It must equal the draft's `evidence`."""
+        return None
+
     def update(self, params, state, ctx: RoundContext, result, taps) -> Any:
         """Fold the round's outcome into the state. `ctx` is the sequence after committing; `result` the
         policy's VerifyResult; `taps` [n_taps, B, T, H] target hidden states at [root, nodes] (or None): T = N + 1,

@@ -120,7 +120,8 @@ def adaptive_plan(spec: LoopSpec, state: LoopState) -> jax.Array:
     # drafted every round and lost 17% on open chat (docs/BENCHMARKS.md session 23).
     look = (spec.sampling.greedy or spec.drafter.deterministic) and spec.drafter.jittable
     return spec.scheduler.plan(state.sched, spec.verify_widths, ~state.done, spec.drafter.kind == "tree", look,
-                               remaining=state.limit - state.num_new, ordered=spec.drafter.ordered_tree)
+                               remaining=state.limit - state.num_new, ordered=spec.drafter.ordered_tree,
+                               evidence=spec.drafter.evidence_before_draft(_context(state)))
 
 
 def refine_width(spec: LoopSpec, sched, done, remaining, draft: Draft, planned, drafted):

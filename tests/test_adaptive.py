@@ -77,6 +77,22 @@ def test_plan_and_refine_golden():
     np.testing.assert_allclose(float(st4.predicted_seconds), 1.0)
 
 
+def test_plan_reads_the_evidence_class_known_before_drafting():
+    """A drafter that knows its draft's evidence class before drafting (`Drafter.evidence_before_draft`, the
+    hybrid's lookup match): the plan values the round with that class's history. Class 1 always accepts, class 0
+    never; pooled they do not pay for a draft, class 1 alone pays for the widest width, class 0 alone for none."""
+    sched = AdaptiveWidth()
+    widths = (0, 1, 3)
+    st = sched.init_state(1, 3, ((1.0, 1.3, 2.0), 0.1), classes=2)
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    st = dataclasses.replace(st, hits=f([[[0, 0, 0], [10, 10, 10]]]), reached=f([[[40, 0, 0], [10, 10, 10]]]),
+                             drafted=f([[10, 10, 10]]), drafts=f([[10]]))
+    active = jnp.asarray([True])
+    assert int(sched.plan(st, widths, active, tree=False)) == 0  # pooled: 10 of 50 accepted at position 1
+    assert int(sched.plan(st, widths, active, tree=False, evidence=jnp.asarray([1]))) == 2
+    assert int(sched.plan(st, widths, active, tree=False, evidence=jnp.asarray([0]))) == 0
+
+
 def test_makespan_values_a_round_by_the_row_that_would_finish_last():
     """The same two rows under the makespan objective: Theta(W) = min_b E[min(g_b(W), r_b)] / r_b / cost(W).
     With equal tokens left, the row that never accepts sets the batch's end and drafts do not pay; when it is

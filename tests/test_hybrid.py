@@ -43,17 +43,31 @@ def test_each_row_gets_lookup_or_model_draft_by_its_match_length():
     model, _ = drafter.model.propose(drafter.params, state, ctx, sampling, key)
     assert np.asarray(draft.tokens[0]).tolist() == [7, 8, 9]  # the lookup's continuation
     np.testing.assert_array_equal(draft.tokens[1:], model.tokens[1:])  # the model's draft, same key
-    np.testing.assert_array_equal(draft.probs[1:], model.probs[1:])
+    np.testing.assert_allclose(draft.probs[1:], model.probs[1:], rtol=1e-5, atol=1e-12)
     np.testing.assert_array_equal(draft.probs[0], jax.nn.one_hot(draft.tokens[0], target.cfg.vocab_size))
     assert np.asarray(draft.evidence).tolist() == [1 + int(match_length_class(np.array(2))), 0, 0]
+    # known before drafting, and equal to the draft's (what the adaptive width plans with)
+    np.testing.assert_array_equal(drafter.evidence_before_draft(ctx), draft.evidence)
+    # rows that all copy (or are done) skip the model's forward; the lookup row's draft is the same
+    done = RoundContext(seq=ctx.seq, seq_len=ctx.seq_len, done=jnp.asarray([False, True, True]))
+    copying, _ = drafter.propose(drafter.params, state, done, sampling, key)
+    np.testing.assert_array_equal(copying.tokens[0], draft.tokens[0])
+    np.testing.assert_array_equal(copying.probs[0], draft.probs[0])
     assert np.asarray(draft.valid).all()
     greedy, _ = drafter.propose(drafter.params, state, ctx, SamplingParams(temperature=0.0), key)
     assert greedy.probs is None
 
 
-def test_greedy_output_equals_ar_at_fixed_and_adaptive_width():
+@pytest.mark.parametrize("model", ["dspark", "self_spec"])
+def test_greedy_output_equals_ar_at_fixed_and_adaptive_width(model):
+    """DSpark (skippable: its forward is skipped when every row copies) and self-speculation (not skippable: its
+    propose catches up on the committed tokens, so it runs every round)."""
     target = peaky_target(1)  # its greedy continuations of PROMPTS repeat themselves within 40 tokens
-    drafter = hybrid(target, min_match=1)
+    if model == "dspark":
+        drafter = hybrid(target, min_match=1)
+    else:
+        drafter = HybridDrafter(create_drafter("self_spec", target, 3, num_layers=1), NgramDrafter(3), 1)
+        assert not drafter.skippable
     ar = generate(target, PROMPTS, 40).tokens
     fixed = speculative_generate(target, drafter, PROMPTS, max_new_tokens=40)
     assert fixed.tokens == ar and fixed.metrics.accepted_draft_tokens > 0
