@@ -72,6 +72,9 @@ def cmd_quickstart(args) -> int:
     shipped = _shipped_drafter_fits(target)
     if shipped:  # the trained drafter that ships with the repo, if it was trained on this target
         specs.append(DrafterSpec("dspark", 7, {"path": shipped}, scheduler=adaptive, label="dspark(shipped)"))
+        # ... and with prompt lookup where the context repeats itself (drafters/hybrid.py)
+        specs.append(DrafterSpec("hybrid", 7, {"path": shipped, "min_match": 2}, scheduler=adaptive,
+                                 label="hybrid(shipped+lookup)"))
     print(f"{len(prompts)} built-in prompts ({', '.join(sorted({c for c, _ in prompts}))}), batch 1, greedy, "
           f"{args.max_new_tokens} new tokens; AR baseline first, then each drafter (compile excluded; the adaptive "
           "width measures this machine's round costs once, cached)\n", flush=True)
