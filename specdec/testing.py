@@ -9,6 +9,8 @@
   against the exact law, and the negative controls' check).
 - A drafter's tokens against the q it returns: `draft_fit`, `assert_draft_matches_its_q`.
 - An exported drafter with one field or tensor edited (the import-refusal tests): `edited_export`.
+- Checks that must run in a fresh process (another device count, W&B's threads, a very large compile):
+  `child_result` runs `python -m <module> [args]` and returns the JSON it printed after "RESULT ".
 - Text for the tokenizer-less tiny model: `specdec.models.tokenizer.ByteCodec` (one token per UTF-8 byte) is
   the one byte codec; experiments and the data builder use it too, so tests import it from there.
 """
@@ -16,6 +18,11 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -223,3 +230,22 @@ def edited_export(src, dst, edit_config=None, edit_tensors=None):
     (dst / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks run in a child process
+# ---------------------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child_result(module: str, *args: str, env: dict | None = None, timeout: float = 600):
+    """Run `python -m module args...` from the repo root (with `env` added to this process's environment) and
+    return the JSON value of its last stdout line starting "RESULT "; AssertionError with the child's exit
+    status and stderr when it printed none (it crashed, or timed out)."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise AssertionError(f"{module} produced no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])

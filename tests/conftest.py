@@ -8,11 +8,19 @@
 - `peaky_target`: the same model with peaky weights (`specdec.testing.peaky_target(seed=0)`), what the engine
   and drafter tests decode with.
 
+Every test file ends by dropping JAX's compiled programs (`jax.clear_caches`): with `--dist loadfile` a worker
+runs ~30 files, and twice in session 25 (and once in CI before) a worker that had compiled hundreds of programs
+died of a segmentation fault inside XLA:CPU's compiler, 96-97% into the run, on programs that compile fine in a
+fresh process (the megakernel engine test, the hybrid drafter's adaptive test). Dropping them bounds what a
+worker accumulates; the root cause is not known.
+
 Helpers shared between test files (the exact-enumeration losslessness checks, the draft-q check, the engine
 tests' prompts) live in `specdec/testing.py`, not in a test file.
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 
@@ -53,3 +61,13 @@ def peaky_target():
     from specdec.testing import peaky_target
 
     return peaky_target(seed=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+    """After each test file: JAX's compiled programs and jit caches dropped (see the module docstring)."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

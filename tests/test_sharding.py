@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from specdec.testing import child_result
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_DEVICES = 8
@@ -149,15 +150,10 @@ CHECKS = ("logits", "speculative", "train_step", "checkpoint")
 def child(tmp_path_factory):
     """Run every multi-device check once in a child with 8 simulated CPU devices; {check: "ok" | error text}."""
     work = tmp_path_factory.mktemp("sharding")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+    env = {"JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
                          f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip()}
-    proc = subprocess.run([sys.executable, "-m", "tests.test_sharding", str(work)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if not lines:
-        pytest.fail(f"the 8-device child produced no results (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return child_result("tests.test_sharding", str(work), env=env)
 
 
 @pytest.mark.parametrize("check", CHECKS)

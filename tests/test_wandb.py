@@ -1,8 +1,9 @@
 """Weights & Biases tracking (experiments/tracking.py), offline: no account, no network.
 
-W&B starts a service process and background threads that live until the interpreter exits; in a pytest-xdist
-worker they outlived the test and the worker once died of a segmentation fault in a later, unrelated test (CI,
-session 24). So the W&B checks run in ONE child process started here (`python -m tests.test_wandb DIR`), which
+W&B starts a service process and background threads that live until the interpreter exits, so in a pytest-xdist
+worker they outlive the test. (They were alive in the worker CI saw die of a segmentation fault in session 24;
+session 25 saw the same crash with no W&B thread, in XLA compiling tests/test_megakernel_engine.py, so they were
+not its cause.) The W&B checks run in ONE child process started here (`python -m tests.test_wandb DIR`), which
 runs every check and reports each result as JSON; the tests below assert one check each.
 
 What the child proves:
@@ -17,13 +18,13 @@ from __future__ import annotations
 
 import glob
 import json
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
+
+from specdec.testing import child_result
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -34,13 +35,7 @@ CHECKS = ("offline_run_directory", "run_resumes_by_stored_id_and_records_artifac
 def child(tmp_path_factory):
     """Run every W&B check once in a child process; {check: "ok" | error text}."""
     work = tmp_path_factory.mktemp("wandb")
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    proc = subprocess.run([sys.executable, "-m", "tests.test_wandb", str(work)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        pytest.fail(f"the W&B child produced no results (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return child_result("tests.test_wandb", str(work), env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
 
 
 @pytest.mark.parametrize("check", CHECKS)
