@@ -113,7 +113,8 @@ def make(target, num_draft_tokens: int, path: str = str(SHIPPED_DRAFTER), min_ma
     """`path`: a trained chain drafter's directory (the kind read from it; default: the shipped DSpark);
     `min_match`: the shortest lookup match (tokens) whose continuation is drafted instead of the model's (1, 2,
     3 and 4 gave mean engine tau 1.85, 1.88, 1.88 and 1.81 with session 25's shipped DSpark on MT-Bench / GSM8K
-    / HumanEval; 2 was ahead on MT-Bench and GSM8K; docs/TRAINING.md, session 25; 1.94 at 2 with session 26's);
+    / HumanEval; 2 was ahead on MT-Bench and GSM8K; docs/TRAINING.md, session 25; at 2, 1.94 with session 26's
+    and 1.98 with session 27's);
     `max_ngram`: the lookup's longest n-gram (as the ngram drafter's)."""
     model = create_drafter(None, target, num_draft_tokens, path=path)
     return HybridDrafter(model, NgramDrafter(num_draft_tokens, max_ngram=max_ngram), min_match)

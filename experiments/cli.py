@@ -327,7 +327,7 @@ def cmd_train(args) -> int:
         raise ValueError("train.data_dir: set the distillation data directory (made by `specdec data`)")
     name = cfg.output.name or Path(args.config).stem
     run_dir = Path(cfg.output.dir) / name
-    data = load_distill_data(cfg.train.data_dir)
+    data = load_distill_data(cfg.train.data_dir, cfg.train.skip_shards)
     print(f"loading target {cfg.model.name} ...", flush=True)
     target = build_target(cfg.model, cfg.mesh)
     drafters.available()  # drafter modules register their training tasks on import

@@ -322,6 +322,9 @@ class TrainConfig:
     eval_every: int = 250
     seq_len: int = 512
     data_dir: str | None = None  # distillation data: written by `specdec data`, read by `specdec train`
+    # Leave out the first N finished shards of data_dir: a run that continues a drafter already trained on them
+    # (init_from) then trains, and holds out its eval examples, on the new shards only.
+    skip_shards: int = 0
     seed: int = 0  # parameter init, data order and training rng
     drafter_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # architecture/loss options of the drafter's trainer
     eval_examples: int = 64  # held-out examples (by id hash) for eval loss and teacher-forced expected tau
@@ -345,7 +348,7 @@ class TrainConfig:
         _require(all(0 < b < self.seq_len for b in self.length_buckets)
                  and list(self.length_buckets) == sorted(set(self.length_buckets)), "length_buckets",
                  f"must be increasing lengths below seq_len={self.seq_len}, got {list(self.length_buckets)}")
-        _at_least(self, 0, "eval_examples")
+        _at_least(self, 0, "eval_examples", "skip_shards")
         _at_least(self, 0, "weight_decay", "clip_norm")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr!r}")
         _require(0 <= self.warmup_frac < 1, "warmup_frac", f"must be in [0, 1), got {self.warmup_frac!r}")

@@ -349,6 +349,11 @@ def test_interrupted_data_run_resumes_to_the_same_shards(eos_target, tmp_path, m
     assert a.ids == b.ids and a.teacher_forced == b.teacher_forced and a.stopped == b.stopped
     assert all(np.array_equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
     assert 0 < sum(b.stopped) < len(b)
+    # skip_shards: a continued run reads only the shards after the first N, in order
+    later = D.load_distill_data(tmp_path / "full", skip_shards=2)
+    assert later.ids == a.ids[10:] and all(np.array_equal(x, y) for x, y in zip(later.input_ids, a.input_ids[10:]))
+    with pytest.raises(D.DataError, match="skip_shards=6 leaves no data.*6 finished shards"):
+        D.load_distill_data(tmp_path / "full", skip_shards=6)
     # data made by the per-batch-key generator (no "generator" in its manifest) is not resumed with this one
     manifest = json.loads((tmp_path / "full" / D.MANIFEST).read_text())
     del manifest["generator"]

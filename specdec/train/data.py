@@ -509,7 +509,8 @@ class DistillData:
         return {"tokens": tokens, "loss_mask": mask, "lengths": lengths}
 
 
-def load_distill_data(path: str | os.PathLike) -> DistillData:
+def load_distill_data(path: str | os.PathLike, skip_shards: int = 0) -> DistillData:
+    """The finished shards of `path` in order, less the first `skip_shards` (already trained on)."""
     import datasets
 
     out = Path(path)
@@ -519,6 +520,9 @@ def load_distill_data(path: str | os.PathLike) -> DistillData:
     shards = sorted(p for p in (out / "shards").glob("shard_*") if not p.name.endswith(".partial"))
     if not shards:
         raise DataError(f"{out} has no finished shards yet; run `specdec data <config.yaml>` (it resumes)")
+    if skip_shards >= len(shards):
+        raise DataError(f"train.skip_shards={skip_shards} leaves no data: {out} has {len(shards)} finished shards")
+    shards = shards[skip_shards:]
     ds = datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shards])
     cols = ds.to_dict()
     return DistillData(ids=cols["id"], input_ids=[np.asarray(x, np.int32) for x in cols["input_ids"]],
