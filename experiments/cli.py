@@ -234,7 +234,8 @@ def cmd_data(args) -> int:
             contaminated = contamination_filter(ds.decontaminate) if ds.decontaminate else None
             prompts += load_prompt_records(ds.name, split=ds.split, field=ds.field, limit=ds.limit,
                                           sample_seed=ds.sample_seed, skip=ds.skip, response_field=ds.response_field,
-                                          exclude_ids=sorted(ds.excluded_ids()), contaminated=contaminated)
+                                          exclude_ids=sorted(ds.excluded_ids()), contaminated=contaminated,
+                                          sources=ds.sources)
     forced = sum(p.response is not None for p in prompts)
     max_prompt = tc.seq_len - gen.max_new_tokens if tc.seq_len > gen.max_new_tokens else tc.seq_len // 2
     print(f"{len(prompts)} prompts ({forced} with given responses: teacher-forced) -> responses of up to "

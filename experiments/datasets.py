@@ -141,8 +141,8 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
     """The prompts of one dataset entry (after split filtering and `limit`)."""
     name = ds.name
     if name in PROMPT_SETS:
-        if ds.field is not None:
-            raise DatasetError(f"dataset {name!r} is a built-in prompt set; `field` does not apply to it")
+        if ds.field is not None or ds.sources:
+            raise DatasetError(f"dataset {name!r} is a built-in prompt set; `field` and `sources` do not apply to it")
         items = [Prompt(name, i, ds.category or cat, text, None, "builtin")
                  for i, (cat, text) in sample_order(builtin(name), ds.sample_seed, ds.skip)]
         return _select(items, ds)
@@ -164,10 +164,16 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
     for i, record in sample_order(records, ds.sample_seed, ds.skip):
         if ds.limit and not ds.per_category and len(prompts) >= ds.limit:
             break
+        if ds.sources and str(record.get("source", label)) not in ds.sources:
+            continue
         prompt = to_prompt(record, i, label=label, layout=layout, field=ds.field, category=ds.category,
                            chat=chat, where=where)
         prompts.append(prompt)
         turns[prompt.key] = record.get("turns")
+    if ds.sources and not prompts:
+        found = sorted({str(r.get("source", label)) for r in records})
+        raise DatasetError(f"{where}: no records of the sources {list(ds.sources)} (after skip {ds.skip}); "
+                           f"the file's sources are {found}")
     prompts = _select(prompts, ds)
     if ds.turns == 1:
         return prompts

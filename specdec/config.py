@@ -242,12 +242,18 @@ class DatasetConfig:
     # `messages`) is used instead of generating one.
     response_field: str | None = None
     exclude_ids: tuple[str, ...] = ()  # record ids to leave out; "11-510" is a range of integer ids
+    # Keep only the records whose `source` field (the file's label where a record has none) is one of these,
+    # e.g. the code and chat prompts of train_prompts.jsonl. Applied in the sample's order, after `skip`, so
+    # `limit` counts the records kept.
+    sources: tuple[str, ...] = ()
     decontaminate: tuple[str, ...] = ()  # evaluation files: drop prompts sharing a 13-word n-gram with them
 
     def __post_init__(self):
         _require(bool(self.name), "name", "must not be empty")
         _at_least(self, 1, "limit", "per_category", "turns")
         _at_least(self, 0, "skip")
+        for item in self.sources:
+            _require(bool(str(item).strip()), "sources", "entries must be non-empty source names")
         for item in self.exclude_ids:
             _require(_id_range(item) is not None, "exclude_ids",
                      f"{item!r} is neither an id nor a range 'low-high' of integer ids")

@@ -355,6 +355,13 @@ def test_dataset_layouts(tmp_path):
     assert [p.question_id for p in load_prompts(DatasetConfig(mt, sample_seed=0, skip=1))] == [81, 82]
     with pytest.raises(ConfigError, match="skip"):
         DatasetConfig(mt, skip=-1)
+    tagged = write_jsonl(tmp_path / "tagged.jsonl", [{"source": src, "prompt": f"p{i}"}
+                                                     for i, src in enumerate(["code", "chat", "code", "math"])])
+    assert [p.text for p in load_prompts(DatasetConfig(tagged, sources=("code", "math"), limit=2))] == ["p0", "p2"]
+    with pytest.raises(DatasetError, match=r"no records of the sources \['poetry'\].*\['chat', 'code', 'math'\]"):
+        load_prompts(DatasetConfig(tagged, sources=("poetry",)))
+    with pytest.raises(ConfigError, match="sources"):
+        DatasetConfig(tagged, sources=("",))
 
     gsm = write_jsonl(tmp_path / "test.jsonl", [{"question": "2+2?", "answer": "It is 4.\n#### 4"},
                                                  {"question": "How many?", "answer": "Lots.\n#### 1,234"}])

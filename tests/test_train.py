@@ -152,6 +152,14 @@ def test_prompt_files_and_offline_hub(tmp_path, monkeypatch):
     later = [r.text for r in D.load_prompt_records(str(tmp_path / "many.jsonl"), limit=5, sample_seed=3, skip=5)]
     assert later == [r.text for r in D.load_prompt_records(str(tmp_path / "many.jsonl"), limit=10,
                                                             sample_seed=3)][5:]
+    # sources: only the records of those sources, in the same sample order, `limit` counting the kept ones
+    (tmp_path / "mixed.jsonl").write_text("".join(f'{{"source": "{"code" if i % 3 else "math"}", "prompt": "p{i}"}}\n'
+                                                  for i in range(30)))
+    everything = D.load_prompt_records(str(tmp_path / "mixed.jsonl"), sample_seed=3, skip=4)
+    code = D.load_prompt_records(str(tmp_path / "mixed.jsonl"), sample_seed=3, skip=4, limit=6, sources=["code"])
+    assert [r.text for r in code] == [r.text for r in everything if r.source == "code"][:6]
+    with pytest.raises(D.DataError, match=r"no prompts of the sources \['chat'\].*there are \['code', 'math'\]"):
+        D.load_prompt_records(str(tmp_path / "mixed.jsonl"), sources=["chat"])
     with pytest.raises(D.DataError, match="not found"):
         D.load_prompt_records(str(tmp_path / "missing.jsonl"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -107,22 +107,30 @@ def contamination_filter(paths: Sequence[str], n: int = 13) -> Callable[[str], b
 def load_prompt_records(name: str, *, split: str | None = None, field: str | None = None,
                         limit: int | None = None, sample_seed: int | None = None, skip: int = 0,
                         response_field: str | None = None, exclude_ids: Sequence[int] = (),
-                        contaminated: Callable[[str], bool] | None = None) -> list[PromptRecord]:
+                        contaminated: Callable[[str], bool] | None = None,
+                        sources: Sequence[str] = ()) -> list[PromptRecord]:
     """Prompts from a local file (by suffix) or a `datasets` hub name ("owner/name[:config]"); with
     `sample_seed`, a seeded random `limit` of them (ids keep the records' file positions); `skip` leaves out the
     first records of that order (a later sample that repeats none of an earlier one).
 
     With `response_field` (a field name, or "auto": see `record_response`) each record also carries its given
     answer, and the data built from it is teacher-forced. Records whose `id` / `task_id` / `question_id` is in
-    `exclude_ids` (e.g. MBPP's test split, task ids 11-510) or whose prompt `contaminated` flags are skipped."""
+    `exclude_ids` (e.g. MBPP's test split, task ids 11-510) or whose prompt `contaminated` flags are skipped;
+    with `sources`, so are the records whose `source` field (the file's label where a record has none) is not
+    one of them (in the sample's order, so `limit` counts the records kept)."""
     if name == SELF_PROMPTS:
         raise DataError(f"{SELF_PROMPTS!r} prompts are written by the target: use self_generated_prompts")
     records, where, label = load_records(name, split, default_split="train")
     excluded = {str(i) for i in exclude_ids}
+    wanted, seen_sources = {str(s) for s in sources}, set()
     out = []
     for i, record in sample_order(records, sample_seed, skip):
         if limit is not None and len(out) >= limit:
             break
+        source = str(record.get("source", label))
+        if wanted and source not in wanted:
+            seen_sources.add(source)
+            continue
         rid = next((str(record[k]) for k in ("id", "question_id", "task_id") if k in record), f"{label}-{i}")
         if rid in excluded:
             continue
@@ -135,7 +143,10 @@ def load_prompt_records(name: str, *, split: str | None = None, field: str | Non
         if contaminated is not None and contaminated(text):
             continue
         response = record_response(record, response_field, at) if response_field else None
-        out.append(PromptRecord(id=rid, source=str(record.get("source", label)), text=text, response=response))
+        out.append(PromptRecord(id=rid, source=source, text=text, response=response))
+    if not out and wanted:
+        raise DataError(f"{where}: no prompts of the sources {sorted(wanted)} (after skip {skip}); the records' "
+                        f"sources there are {sorted(seen_sources) or 'none'}")
     if not out:
         raise DataError(f"{where}: no prompts")
     return out
