@@ -161,19 +161,13 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
         if all("task_id" in r for r in records):
             records = [r for r in records if lo <= int(r["task_id"]) <= hi]
     prompts, turns = [], {}
-    for i, record in sample_order(records, ds.sample_seed, ds.skip):
+    for i, record in sample_order(records, ds.sample_seed, ds.skip, sources=ds.sources, label=label, where=where):
         if ds.limit and not ds.per_category and len(prompts) >= ds.limit:
             break
-        if ds.sources and str(record.get("source", label)) not in ds.sources:
-            continue
         prompt = to_prompt(record, i, label=label, layout=layout, field=ds.field, category=ds.category,
                            chat=chat, where=where)
         prompts.append(prompt)
         turns[prompt.key] = record.get("turns")
-    if ds.sources and not prompts:
-        found = sorted({str(r.get("source", label)) for r in records})
-        raise DatasetError(f"{where}: no records of the sources {list(ds.sources)} (after skip {ds.skip}); "
-                           f"the file's sources are {found}")
     prompts = _select(prompts, ds)
     if ds.turns == 1:
         return prompts

@@ -196,9 +196,21 @@ def chat_messages(messages: list, where: str) -> list[dict]:
     return out
 
 
-def sample_order(records: Sequence, seed: int | None, skip: int = 0) -> list[tuple[int, Any]]:
+def sample_order(records: Sequence, seed: int | None, skip: int = 0, *, sources: Sequence[str] = (),
+                 label: str = "", where: str = "") -> list[tuple[int, Any]]:
     """(file position, record) in file order, or in a permutation drawn from `seed` (a random sample when the
     caller then keeps the first N), without its first `skip` entries (a later sample that repeats none of an
-    earlier one's N = skip)."""
+    earlier one's N = skip). With `sources`, only the records whose `source` field (`label` where a record has
+    none) is one of them, in the same order; none left is an error naming the sources the file (`where`) has."""
     order = np.arange(len(records)) if seed is None else np.random.default_rng(seed).permutation(len(records))
-    return [(int(i), records[int(i)]) for i in order[skip:]]
+    picked = [(int(i), records[int(i)]) for i in order[skip:]]
+    if not sources:
+        return picked
+    def source(record) -> str:
+        return str(record.get("source", label))
+
+    kept = [(i, record) for i, record in picked if source(record) in sources]
+    if not kept:
+        raise DataError(f"{where}: no records of the sources {list(sources)} (after skip {skip}); the file's "
+                        f"sources are {sorted({source(r) for r in records})}")
+    return kept

@@ -158,7 +158,7 @@ def test_prompt_files_and_offline_hub(tmp_path, monkeypatch):
     everything = D.load_prompt_records(str(tmp_path / "mixed.jsonl"), sample_seed=3, skip=4)
     code = D.load_prompt_records(str(tmp_path / "mixed.jsonl"), sample_seed=3, skip=4, limit=6, sources=["code"])
     assert [r.text for r in code] == [r.text for r in everything if r.source == "code"][:6]
-    with pytest.raises(D.DataError, match=r"no prompts of the sources \['chat'\].*there are \['code', 'math'\]"):
+    with pytest.raises(D.DataError, match=r"no records of the sources \['chat'\].*sources are \['code', 'math'\]"):
         D.load_prompt_records(str(tmp_path / "mixed.jsonl"), sources=["chat"])
     with pytest.raises(D.DataError, match="not found"):
         D.load_prompt_records(str(tmp_path / "missing.jsonl"))

@@ -122,15 +122,10 @@ def load_prompt_records(name: str, *, split: str | None = None, field: str | Non
         raise DataError(f"{SELF_PROMPTS!r} prompts are written by the target: use self_generated_prompts")
     records, where, label = load_records(name, split, default_split="train")
     excluded = {str(i) for i in exclude_ids}
-    wanted, seen_sources = {str(s) for s in sources}, set()
     out = []
-    for i, record in sample_order(records, sample_seed, skip):
+    for i, record in sample_order(records, sample_seed, skip, sources=sources, label=label, where=where):
         if limit is not None and len(out) >= limit:
             break
-        source = str(record.get("source", label))
-        if wanted and source not in wanted:
-            seen_sources.add(source)
-            continue
         rid = next((str(record[k]) for k in ("id", "question_id", "task_id") if k in record), f"{label}-{i}")
         if rid in excluded:
             continue
@@ -143,10 +138,7 @@ def load_prompt_records(name: str, *, split: str | None = None, field: str | Non
         if contaminated is not None and contaminated(text):
             continue
         response = record_response(record, response_field, at) if response_field else None
-        out.append(PromptRecord(id=rid, source=source, text=text, response=response))
-    if not out and wanted:
-        raise DataError(f"{where}: no prompts of the sources {sorted(wanted)} (after skip {skip}); the records' "
-                        f"sources there are {sorted(seen_sources) or 'none'}")
+        out.append(PromptRecord(id=rid, source=str(record.get("source", label)), text=text, response=response))
     if not out:
         raise DataError(f"{where}: no prompts")
     return out
