@@ -3,7 +3,8 @@
 Reads each run's per-batch metrics (`metrics/speculative.jsonl`, `metrics/autoregressive.jsonl`, written by
 `specdec run` / `specdec sweep`) and merges them by the `dataset` of the batch: tau (bonus token counted),
 speculative and AR decode tok/s and their ratio, and the mean of tau over the datasets (the issues' goals are
-averages over MT-Bench, GSM8K and HumanEval).
+averages over MT-Bench, GSM8K and HumanEval). The JSON rows also carry each dataset's acceptance by draft
+position, conditional on the position before it accepted (`DecodeMetrics.acceptance_by_position`).
 
     python -m benchmarks.tau_by_dataset runs/parallel [--json OUT]
 """
@@ -35,7 +36,9 @@ def main(argv=None) -> list[dict]:
         spec, ar = by_dataset(run, SPEC), by_dataset(run, AR)
         taus = {d: m.tau for d, m in spec.items()}
         speed = {d: m.tokens_per_second / ar[d].tokens_per_second for d, m in spec.items() if d in ar}
-        rows.append({"run": run.name, "tau": taus, "speedup": speed, "mean_tau": sum(taus.values()) / len(taus)})
+        accept = {d: m.acceptance_by_position()["conditional"] for d, m in spec.items()}
+        rows.append({"run": run.name, "tau": taus, "speedup": speed, "mean_tau": sum(taus.values()) / len(taus),
+                     "conditional_acceptance": accept})
     if not rows:
         sys.exit(f"no finished runs (summary.json) under {args.sweep_dir}")
     datasets = sorted({d for r in rows for d in r["tau"]})
