@@ -319,7 +319,7 @@ def cmd_train(args) -> int:
     from experiments.build import build_target
     from experiments.tracking import make_tracker
     from specdec.config import load_config, to_dict
-    from specdec.train.data import load_distill_data
+    from specdec.train.data import load_distill_data, pool_distill_data
     from specdec.train.loop import TrainingDiverged, train
     from specdec.train.tasks import make_task
 
@@ -328,7 +328,8 @@ def cmd_train(args) -> int:
         raise ValueError("train.data_dir: set the distillation data directory (made by `specdec data`)")
     name = cfg.output.name or Path(args.config).stem
     run_dir = Path(cfg.output.dir) / name
-    data = load_distill_data(cfg.train.data_dir, cfg.train.skip_shards)
+    data = pool_distill_data([(d.data_dir, load_distill_data(d.data_dir, d.skip_shards))
+                              for d in (cfg.train, *cfg.train.more_data)])
     print(f"loading target {cfg.model.name} ...", flush=True)
     target = build_target(cfg.model, cfg.mesh)
     drafters.available()  # drafter modules register their training tasks on import
@@ -336,7 +337,8 @@ def cmd_train(args) -> int:
     _claim_run_dir(run_dir, to_dict(cfg))  # before the tracker: a refused run leaves its W&B run alone
     # a resumed run continues its W&B run (the id is kept in the run directory), linked to its data
     tracker = make_tracker(cfg.tracking, run_name=name, out_dir=run_dir, config=to_dict(cfg), resume_dir=run_dir)
-    tracker.use_artifact(*data_artifact(cfg.train.data_dir))
+    for data_dir in (cfg.train.data_dir, *(d.data_dir for d in cfg.train.more_data)):
+        tracker.use_artifact(*data_artifact(data_dir))
     try:
         summary = train(task, target, data, cfg.train, run_dir, tracker=tracker, progress=not args.no_progress,
                         eval_draft_len=cfg.drafter.num_draft_tokens)

@@ -315,6 +315,16 @@ class OutputConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoreDataConfig:
+    """One more distillation data set (`specdec data` output) pooled with `train.data_dir` in a training run."""
+    data_dir: str
+    skip_shards: int = 0  # leave out its first N finished shards (already trained on), as train.skip_shards
+
+    def __post_init__(self):
+        _at_least(self, 0, "skip_shards")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """`train:` drafter training (AdamW, warmup then cosine decay)."""
     steps: int = 2000
@@ -331,6 +341,10 @@ class TrainConfig:
     # Leave out the first N finished shards of data_dir: a run that continues a drafter already trained on them
     # (init_from) then trains, and holds out its eval examples, on the new shards only.
     skip_shards: int = 0
+    # More data sets trained on together with data_dir (examples pooled, shuffled together, held-out examples
+    # drawn from the pool by id hash); each must come from the same target. E.g. new data plus the shards of an
+    # older set that the drafter being continued never saw.
+    more_data: tuple[MoreDataConfig, ...] = ()
     seed: int = 0  # parameter init, data order and training rng
     drafter_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # architecture/loss options of the drafter's trainer
     eval_examples: int = 64  # held-out examples (by id hash) for eval loss and teacher-forced expected tau

@@ -337,6 +337,45 @@ def write_jsonl(path, records):
     return str(path)
 
 
+def test_completion_prompts_are_humaneval_shaped_stubs(tmp_path):
+    """experiments.completion_prompts: an MBPP solution becomes its imports, signature and a docstring with the
+    asserts as doctests, wrapped in the evaluation's own instruction; the MBPP test split is left out; an
+    instruction / response record gives the first function of its code block; bad records are named."""
+    from experiments import completion_prompts as C
+    from experiments.datasets import HUMANEVAL_INSTRUCTION
+
+    mbpp = [{"task_id": 2, "text": "Write a function to add   two numbers.", "test_list": [
+                "assert add_two(1, 2) == 3", "assert add_two(0, 0)==0", "assert not add_two(0, 0)"],
+             "code": ("import math\r\ndef helper(x):\r\n\treturn x\r\n"
+                      "def add_two(a: int, b=1) -> int:\r\n\treturn a + b")},
+            {"task_id": 11, "text": "test split", "test_list": ["assert f(1) == 1"], "code": "def f(x):\n    return x"},
+            {"task_id": 3, "text": "does not parse", "test_list": ["assert g(1) == 1"], "code": "def g(x) return"}]
+    (tmp_path / "mbpp.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mbpp))
+    teacher = [{"instruction": "Reverse a string.", "input": "",
+                "response": "Sure:\n```python\ndef rev(s):\n    return s[::-1]\n```\nprint(rev('ab'))"},
+               {"instruction": "No Python here.", "input": "", "response": "console.log(1)"}]
+    (tmp_path / "teacher.json").write_text(json.dumps(teacher))
+    out = tmp_path / "out" / "prompts.jsonl"
+    assert C.main(["--mbpp", str(tmp_path / "mbpp.jsonl"), "--gpteacher", str(tmp_path / "teacher.json"),
+                   "--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["source"]) for r in records] == [("mbpp-2", "mbpp_completion"),
+                                                         ("gpteacher_completion-0", "gpteacher_completion")]
+    body = ('import math\n\n\ndef add_two(a: int, b=1) -> int:\n    """ Write a function to add two numbers.\n'
+            '    >>> add_two(1, 2)\n    3\n    >>> add_two(0, 0)\n    0\n    """\n')
+    assert records[0]["prompt"] == HUMANEVAL_INSTRUCTION.format(prompt=body)
+    compile(body + "    pass\n", "stub", "exec")  # the stub is the start of a valid function
+    assert 'def rev(s):\n    """ Reverse a string.\n    """\n```' in records[1]["prompt"]
+    assert len(C.mbpp_prompts(tmp_path / "mbpp.jsonl", keep_test=True)) == 2
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"task_id": 1, "text": "no code"}) + "\n")
+    needs = r"bad.jsonl line 1: an MBPP record needs \['code', 'test_list'\]"
+    with pytest.raises(C.CompletionPromptError, match=needs):
+        C.mbpp_prompts(tmp_path / "bad.jsonl")
+    (tmp_path / "bad.json").write_text(json.dumps([{"prompt": "x"}]))
+    with pytest.raises(C.CompletionPromptError, match="bad.json record 0: needs 'instruction' and 'response'"):
+        C.instruction_prompts(tmp_path / "bad.json", "x")
+
+
 def test_dataset_layouts(tmp_path):
     mt = write_jsonl(tmp_path / "question.jsonl", [
         {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},

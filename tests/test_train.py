@@ -128,10 +128,18 @@ def test_data_and_training_runs_log_the_data_artifact(work, data_dir, monkeypatc
     name = f"distill-data-{data_dir.name}"
     logged = made[-1][2].artifacts[name]
     assert logged["kind"] == "dataset" and [Path(f).name for f in logged["files"]] == ["manifest.json", "summary.json"]
+    # the second data set, pooled with train.more_data, is an input too, and the summary counts the pool
+    other = work / "data_copy"
+    if not other.exists():
+        shutil.copytree(data_dir, other)
     assert cli.main(["train", CONFIG, *overrides(work, data_dir, "eagle3"), "output.name=artifact",
-                     "--no-progress"]) == 0
+                     f"train.more_data=[{{data_dir: {other}}}]", "--no-progress"]) == 0
     run_name, resume_dir, tracker = made[-1]
     assert resume_dir == work / "runs" / "artifact" and name in tracker.inputs
+    assert f"distill-data-{other.name}" in tracker.inputs
+    summary = json.loads((resume_dir / "summary.json").read_text())
+    assert summary["data_dirs"] == [str(data_dir), str(other)]
+    assert summary["train_examples"] + summary["eval_examples"] == 2 * len(D.load_distill_data(data_dir))
 
 
 def test_prompt_files_and_offline_hub(tmp_path, monkeypatch):
@@ -362,6 +370,14 @@ def test_interrupted_data_run_resumes_to_the_same_shards(eos_target, tmp_path, m
     assert later.ids == a.ids[10:] and all(np.array_equal(x, y) for x, y in zip(later.input_ids, a.input_ids[10:]))
     with pytest.raises(D.DataError, match="skip_shards=6 leaves no data.*6 finished shards"):
         D.load_distill_data(tmp_path / "full", skip_shards=6)
+    # train.more_data: data sets pooled in order, from one target only
+    pooled = D.pool_distill_data([("later", later), ("resumed", b)])
+    assert pooled.ids == later.ids + b.ids and pooled.sources == later.sources + b.sources
+    assert all(np.array_equal(x, y) for x, y in zip(pooled.input_ids, later.input_ids + b.input_ids))
+    assert pooled.manifest["pooled_from"] == ["later", "resumed"] and D.pool_distill_data([("a", a)]) is a
+    other = dataclasses.replace(b, manifest={**b.manifest, "target": "another model"})
+    with pytest.raises(D.DataError, match="cannot train on later and other together: their target differs"):
+        D.pool_distill_data([("later", later), ("other", other)])
     # data made by the per-batch-key generator (no "generator" in its manifest) is not resumed with this one
     manifest = json.loads((tmp_path / "full" / D.MANIFEST).read_text())
     del manifest["generator"]

@@ -512,6 +512,23 @@ class DistillData:
         return {"tokens": tokens, "loss_mask": mask, "lengths": lengths}
 
 
+def pool_distill_data(parts: Sequence[tuple[str, DistillData]]) -> DistillData:
+    """Several data sets (name, data) as one: examples concatenated in order. They must come from the same target
+    (the manifests' target and vocabulary); the pool keeps the first manifest, plus `pooled_from` (the names)."""
+    (first_name, first), rest = parts[0], parts[1:]
+    for name, data in rest:
+        for key in ("target", "vocab_size"):
+            if data.manifest.get(key) != first.manifest.get(key):
+                raise DataError(f"cannot train on {first_name} and {name} together: their {key} differs "
+                                f"({first.manifest.get(key)!r} vs {data.manifest.get(key)!r})")
+    if not rest:
+        return first
+    cat = lambda attr: [x for _, d in parts for x in getattr(d, attr)]  # noqa: E731
+    return DistillData(cat("ids"), cat("input_ids"), cat("loss_mask"), cat("prompt_lens"), cat("stopped"),
+                       {**first.manifest, "pooled_from": [name for name, _ in parts]}, cat("sources"),
+                       cat("teacher_forced"))
+
+
 def load_distill_data(path: str | os.PathLike, skip_shards: int = 0) -> DistillData:
     """The finished shards of `path` in order, less the first `skip_shards` (already trained on)."""
     import datasets
