@@ -31,9 +31,9 @@ import re
 import textwrap
 from pathlib import Path
 
-from experiments.datasets import HUMANEVAL_INSTRUCTION
+from experiments.datasets import HUMANEVAL_INSTRUCTION, MBPP_SPLITS
+from specdec.records import read_records
 
-MBPP_TEST_IDS = range(11, 511)  # the paper's test split
 CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
 
 
@@ -63,8 +63,7 @@ def _signature(fn: ast.FunctionDef) -> str:
 
 
 def _docstring(description: str, examples: list[tuple[str, str]]) -> str:
-    lines = textwrap.wrap(" ".join(description.split()), 100) or [""]
-    body = [lines[0]] + lines[1:]
+    body = textwrap.wrap(" ".join(description.split()), 100) or [""]
     for call, value in examples:
         body += [f">>> {call}", value]
     text = "\n".join("    " + line for line in body)
@@ -96,15 +95,13 @@ def _called_name(test: str) -> str | None:
 
 
 def mbpp_prompts(path: str | Path, keep_test: bool = False, max_examples: int = 2) -> list[dict]:
+    test_lo, test_hi = MBPP_SPLITS["test"]
     out = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for i, record in enumerate(read_records(Path(path))):
         missing = [k for k in ("task_id", "text", "code", "test_list") if k not in record]
         if missing:
-            raise CompletionPromptError(f"{path} line {i + 1}: an MBPP record needs {missing}")
-        if int(record["task_id"]) in MBPP_TEST_IDS and not keep_test:
+            raise CompletionPromptError(f"{path} record {i}: an MBPP record needs {missing}")
+        if test_lo <= int(record["task_id"]) <= test_hi and not keep_test:
             continue
         tests = list(record["test_list"])
         name = _called_name(tests[0]) if tests else None
@@ -119,11 +116,8 @@ def mbpp_prompts(path: str | Path, keep_test: bool = False, max_examples: int = 
 
 
 def instruction_prompts(path: str | Path, source: str) -> list[dict]:
-    records = json.loads(Path(path).read_text())
-    if not isinstance(records, list):
-        raise CompletionPromptError(f"{path}: expected a JSON list of instruction / response records")
     out = []
-    for i, record in enumerate(records):
+    for i, record in enumerate(read_records(Path(path))):
         if not {"instruction", "response"} <= set(record):
             raise CompletionPromptError(f"{path} record {i}: needs 'instruction' and 'response' fields")
         response = str(record["response"])

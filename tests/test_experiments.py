@@ -368,7 +368,7 @@ def test_completion_prompts_are_humaneval_shaped_stubs(tmp_path):
     assert 'def rev(s):\n    """ Reverse a string.\n    """\n```' in records[1]["prompt"]
     assert len(C.mbpp_prompts(tmp_path / "mbpp.jsonl", keep_test=True)) == 2
     (tmp_path / "bad.jsonl").write_text(json.dumps({"task_id": 1, "text": "no code"}) + "\n")
-    needs = r"bad.jsonl line 1: an MBPP record needs \['code', 'test_list'\]"
+    needs = r"bad.jsonl record 0: an MBPP record needs \['code', 'test_list'\]"
     with pytest.raises(C.CompletionPromptError, match=needs):
         C.mbpp_prompts(tmp_path / "bad.jsonl")
     (tmp_path / "bad.json").write_text(json.dumps([{"prompt": "x"}]))
