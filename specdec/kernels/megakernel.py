@@ -69,9 +69,13 @@ def default_interpret_params() -> pltpu.InterpretParams:
 
 
 def race_check_params() -> pltpu.InterpretParams:
-    """Interpreter settings with the race detector live (docs/FACTS.md: vector_clock_size=16 or DMA-vs-DMA races
-    are missed). Slower; used by the tests."""
-    return pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True, vector_clock_size=16,
+    """Interpreter settings with the race detector live. Slower; used by the tests.
+
+    The detector's vector clocks are approximate: each DMA takes a random slot among `vector_clock_size` minus
+    the cores, and two DMAs sharing a slot look ordered, which can hide a race (never invent one). At the default
+    size DMA-vs-DMA races are missed; at 16 the tiny kernel's `skip_cache_write_wait` bug went unseen for 1 seed
+    in 30 (a CI failure); at 64 for none in 150 (docs/MEGAKERNEL.md)."""
+    return pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True, vector_clock_size=64,
                                  uninitialized_memory="nan")
 
 
