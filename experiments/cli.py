@@ -212,6 +212,7 @@ def cmd_data(args) -> int:
     responses under `train.data_dir` (sampling: `sampling`; length and batch: `generation`)."""
     from experiments.build import build_target
     from specdec.config import load_config
+    from specdec.sampling import SamplingParams
     from specdec.train.data import (SELF_PROMPTS, build_distill_data, contamination_filter, load_prompt_records,
                                     self_generated_prompts)
 
@@ -225,13 +226,17 @@ def cmd_data(args) -> int:
     gen = cfg.generation
     prompts = []
     for ds in cfg.data.datasets:
+        contaminated = contamination_filter(ds.decontaminate) if ds.decontaminate else None
         if ds.name == SELF_PROMPTS:
+            seed = cfg.sampling.seed if ds.sample_seed is None else ds.sample_seed
+            prompt_sampling = sampling if ds.prompt_temperature is None else \
+                SamplingParams(temperature=ds.prompt_temperature)
             prompts += self_generated_prompts(
-                target, ds.limit or 64, sampling=sampling, seed=cfg.sampling.seed,
+                target, ds.limit or 64, sampling=prompt_sampling, seed=seed, skip=ds.skip,
                 max_new_tokens=min(gen.max_new_tokens, 128), batch_size=gen.batch_size,
-                progress=not args.no_progress, cache_path=Path(tc.data_dir) / "self_prompts.jsonl")
+                progress=not args.no_progress, contaminated=contaminated,
+                cache_path=Path(tc.data_dir) / f"self_prompts-seed{seed}-skip{ds.skip}.jsonl")
         else:
-            contaminated = contamination_filter(ds.decontaminate) if ds.decontaminate else None
             prompts += load_prompt_records(ds.name, split=ds.split, field=ds.field, limit=ds.limit,
                                           sample_seed=ds.sample_seed, skip=ds.skip, response_field=ds.response_field,
                                           exclude_ids=sorted(ds.excluded_ids()), contaminated=contaminated,

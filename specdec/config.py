@@ -247,11 +247,22 @@ class DatasetConfig:
     # `limit` counts the records kept.
     sources: tuple[str, ...] = ()
     decontaminate: tuple[str, ...] = ()  # evaluation files: drop prompts sharing a 13-word n-gram with them
+    # `name: self` only (the target writes the prompts): the temperature it writes them at (top-p 1, no top-k),
+    # so that a data set of greedy answers (sampling.temperature 0) can still have varied prompts.
+    # None: the `sampling` section's. Their seed is `sample_seed` (None: sampling.seed); `skip: N` gives the
+    # prompts after the first N of that seed, as for a file.
+    prompt_temperature: float | None = None
 
     def __post_init__(self):
         _require(bool(self.name), "name", "must not be empty")
         _at_least(self, 1, "limit", "per_category", "turns")
         _at_least(self, 0, "skip")
+        if self.name != "self":  # data.SELF_PROMPTS (this module stays free of JAX)
+            _require(self.prompt_temperature is None, "prompt_temperature",
+                     f"applies only to prompts the target writes (name: self), not to {self.name!r}")
+        if self.prompt_temperature is not None:
+            _require(self.prompt_temperature > 0, "prompt_temperature", "must be > 0 (greedy decoding writes the "
+                     f"same prompt every time), got {self.prompt_temperature!r}")
         for item in self.sources:
             _require(bool(str(item).strip()), "sources", "entries must be non-empty source names")
         for item in self.exclude_ids:

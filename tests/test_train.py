@@ -177,6 +177,68 @@ def test_prompt_files_and_offline_hub(tmp_path, monkeypatch):
         D.load_distill_data(tmp_path / "nothing")
 
 
+
+def test_self_written_prompts_keep_only_whole_fresh_turns(tmp_path, monkeypatch):
+    """Magpie-style prompts: the target's user turns from the chat template's user prefix. A turn cut at
+    max_new_tokens, one that runs on into the assistant's turn, an empty one, a repeat and a contaminated one
+    are dropped; the cache keeps the turns before decontamination, so a changed filter applies on reuse."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from specdec.models.tokenizer import Tokenizer
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "plan", "a", "trip", "write", "poem",
+             "sum", "two", "numbers"]
+    backend = HFTokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+    tok = Tokenizer(backend, bos_token=None, eos_token="<|im_end|>", pad_token=None, chat_template=template)
+    ids = {w: i for i, w in enumerate(words)}
+    end = ids["<|im_end|>"]
+    rows = [[ids["plan"], ids["a"], ids["trip"], end],                      # kept
+            [ids["write"], ids["a"], ids["poem"], ids["poem"]],             # no EOS: cut at max_new_tokens
+            [ids["write"], ids["<|im_start|>"], ids["assistant"], end],     # wrote the assistant's turn
+            [end],                                                          # empty
+            [ids["plan"], ids["a"], ids["trip"], end],                      # repeat
+            [ids["sum"], ids["two"], ids["numbers"], end]]                  # kept, then decontaminated
+
+    class FakeTarget:
+        tokenizer = tok
+        eos_token_ids = (end,)
+        cfg = load_config("configs/train/tiny.yaml").model
+
+    calls = []
+
+    def fake_continuous(target, prompts, prompt_seeds, shapes, sampling, seed):
+        calls.append((prompts[0], list(prompt_seeds), seed))
+        for j in reversed(range(len(prompts))):  # completion order is not prompt order
+            yield j, list(rows[prompt_seeds[j] % len(rows)])
+
+    monkeypatch.setattr(G, "generate_continuous", fake_continuous)
+    monkeypatch.setattr(G, "continuous_shapes", lambda *args: None)  # the fake target has no model to size
+    cache = tmp_path / "self_prompts.jsonl"
+    kwargs = dict(sampling=SamplingParams(1.0), seed=7, max_new_tokens=4, batch_size=6, cache_path=cache)
+    got = D.self_generated_prompts(FakeTarget(), 6, **kwargs)
+    assert [(p.id, p.text) for p in got] == [("self-7-0", "plan a trip"), ("self-7-5", "sum two numbers")]
+    assert calls[0] == ([ids["<|im_start|>"], ids["user"]], list(range(6)), 7)  # the user prefix, nothing more
+    no_sums = D.self_generated_prompts(FakeTarget(), 6, **kwargs, contaminated=lambda text: "sum" in text)
+    assert [p.text for p in no_sums] == ["plan a trip"] and len(calls) == 1  # from the cache
+    # skip: the turns after the first N of the same seed (here turns 4-5: a repeat no longer, then the sum)
+    later = D.self_generated_prompts(FakeTarget(), 2, **{**kwargs, "skip": 4})
+    assert [(p.id, p.text) for p in later] == [("self-7-4", "plan a trip"), ("self-7-5", "sum two numbers")]
+    assert calls[-1][1] == [4, 5]
+    with pytest.raises(D.DataError, match="need sampling"):
+        D.self_generated_prompts(FakeTarget(), 6, **{**kwargs, "sampling": SamplingParams(0.0), "cache_path": None})
+    # the config: the prompts' own temperature, only for prompts the target writes
+    from specdec.config import ConfigError, DatasetConfig
+    assert DatasetConfig("self", prompt_temperature=1.0).prompt_temperature == 1.0
+    with pytest.raises(ConfigError, match="prompt_temperature.*only to prompts the target writes"):
+        DatasetConfig("p.jsonl", prompt_temperature=1.0)
+    with pytest.raises(ConfigError, match="prompt_temperature.*must be > 0"):
+        DatasetConfig("self", prompt_temperature=0.0)
+
 def test_teacher_forced_examples_mix_with_generated_ones(tmp_path, target):
     """Records with given answers become teacher-forced examples (no generation; the answer's bytes + EOS on the
     tiny byte-level target), mixed with generated ones in one data set with per-source counts; MBPP-style id

@@ -22,6 +22,7 @@ rerun with the same settings skips finished shards, so an interrupted run resume
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -168,56 +169,93 @@ def encode_prompt(target, record: PromptRecord, chat_template: bool) -> list[int
     return tok.encode(record.text)
 
 
-def self_generated_prompts(target, num_prompts: int, *, sampling: SamplingParams, seed: int = 0,
+def self_generated_prompts(target, num_prompts: int, *, sampling: SamplingParams, seed: int = 0, skip: int = 0,
                            max_new_tokens: int = 96, batch_size: int = 8, progress: bool = False,
-                           cache_path: str | os.PathLike | None = None) -> list[PromptRecord]:
-    """User turns written by the target itself from the chat template's user prefix (no data needed).
+                           cache_path: str | os.PathLike | None = None,
+                           contaminated: Callable[[str], bool] | None = None) -> list[PromptRecord]:
+    """User turns written by the target itself from the chat template's user prefix (no data needed; the
+    Magpie recipe: an instruct model asked for nothing writes the kind of request it was tuned to answer).
 
-    Each is sampled until the target ends the turn (EOS) or `max_new_tokens`; empty turns are dropped, so
-    fewer than `num_prompts` may come back. Without a tokenizer the prefix is the BOS token and the prompt is
-    kept as token ids. With `cache_path` (a .jsonl) the prompts are stored there and reused by later calls
-    with the same settings, so a resumed `specdec data` sees the very same prompts."""
-    from specdec.generate import generate
+    Turn i (i = skip .. skip + num_prompts - 1) is sampled with its own key (`generate_continuous`'s prompt
+    seed i under `seed`) until the target ends the turn (EOS) or `max_new_tokens`, so with one seed `skip: N`
+    gives the turns after the first N, as it does for a prompt file. Kept are the turns that end at EOS, hold
+    text and no special token (a turn that runs on into "<|im_start|>assistant ..." wrote its own answer), are
+    not repeats, and pass `contaminated` (a text -> bool filter, e.g. `contamination_filter`); fewer than
+    `num_prompts` may come back. Ids are "self-<seed>-<i>". Without a chat template the prefix is the BOS
+    token, the prompt is kept as token ids and a turn cut at `max_new_tokens` is kept too (there is no turn
+    structure to check). With `cache_path` (a .jsonl) the turns are stored there before decontamination and
+    reused by later calls with the same settings, so a resumed `specdec data` sees the very same prompts."""
+    from specdec.generate import continuous_shapes, generate_continuous
 
-    settings = {"num_prompts": num_prompts, "sampling": dataclasses.asdict(sampling), "seed": seed,
-                "max_new_tokens": max_new_tokens, "batch_size": batch_size, "target": target.cfg.name}
+    settings = {"num_prompts": num_prompts, "skip": skip, "sampling": dataclasses.asdict(sampling), "seed": seed,
+                "max_new_tokens": max_new_tokens, "batch_size": batch_size, "target": target.cfg.name,
+                "kept": "turns ended at EOS, no special tokens, no repeats"}
     if cache_path is not None and Path(cache_path).is_file():
         lines = Path(cache_path).read_text().splitlines()
         if lines and json.loads(lines[0]) == {"settings": settings}:
-            return [PromptRecord(**json.loads(line)) for line in lines[1:]]
+            return _decontaminated([PromptRecord(**json.loads(line)) for line in lines[1:]], contaminated)
 
     if sampling.greedy:
         raise DataError("self-generated prompts need sampling (temperature > 0): greedy decoding writes the same "
                         "user turn every time")
     tok = target.tokenizer
-    if tok is not None and tok.chat_template:
+    chat = tok is not None and bool(tok.chat_template)
+    if chat:
         prefix = tok.encode(user_turn_prefix(tok))
     else:
         bos = target.cfg.bos_token_id
         prefix = [bos if bos is not None else 1]
     eos = set(target.eos_token_ids)
-    out: list[PromptRecord] = []
+    shapes = continuous_shapes(target, [len(prefix)], max_new_tokens, batch_size)
+    indices = list(range(skip, skip + num_prompts))
+    turns: dict[int, list[int]] = {}
     bar = _progress(num_prompts, "self-generated prompts", progress)
-    for b, start in enumerate(range(0, num_prompts, batch_size)):
-        n = min(batch_size, num_prompts - start)
-        gen = generate(target, [prefix] * batch_size, max_new_tokens=max_new_tokens, sampling=sampling,
-                       seed=seed * 1_000_003 + b)
-        for i, row in enumerate(gen.tokens[:n]):
-            body = [t for t in row if t not in eos]
-            rid = f"self-{start + i}"
-            if tok is not None and tok.chat_template:
-                text = tok.decode(body).strip()
-                if text:
-                    out.append(PromptRecord(id=rid, source=SELF_PROMPTS, text=text))
-            elif body:
-                out.append(PromptRecord(id=rid, source=SELF_PROMPTS, tokens=prefix + body))
-        bar.update(n)
+    for j, row in generate_continuous(target, [prefix] * num_prompts, indices, shapes, sampling, seed):
+        turns[indices[j]] = row
+        bar.update(1)
     bar.close()
+
+    out: list[PromptRecord] = []
+    seen: set[str] = set()
+    dropped = collections.Counter()
+    for i in indices:
+        row = turns[i]
+        body = [t for t in row if t not in eos]
+        rid = f"self-{seed}-{i}"
+        if not chat:
+            if body:
+                out.append(PromptRecord(id=rid, source=SELF_PROMPTS, tokens=prefix + body))
+            continue
+        text = tok.decode(body).strip()
+        if not row or row[-1] not in eos:
+            dropped["cut at max_new_tokens"] += 1
+        elif not text:
+            dropped["empty"] += 1
+        elif tok.decode(body, skip_special_tokens=False).strip() != text:
+            dropped["special tokens inside"] += 1
+        elif text in seen:
+            dropped["repeats"] += 1
+        else:
+            seen.add(text)
+            out.append(PromptRecord(id=rid, source=SELF_PROMPTS, text=text))
+    if dropped:
+        print(f"self-generated prompts: kept {len(out)} of {num_prompts}; dropped "
+              + ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())), flush=True)
     if cache_path is not None:
         Path(cache_path).parent.mkdir(parents=True, exist_ok=True)
         lines = [json.dumps({"settings": settings})] + [json.dumps(dataclasses.asdict(r)) for r in out]
         Path(cache_path).write_text("\n".join(lines) + "\n")
-    return out
+    return _decontaminated(out, contaminated)
+
+
+def _decontaminated(prompts: list[PromptRecord], contaminated: Callable[[str], bool] | None) -> list[PromptRecord]:
+    """`prompts` less those `contaminated` flags (applied after the cache, so the filter can change)."""
+    if contaminated is None:
+        return prompts
+    kept = [p for p in prompts if p.text is None or not contaminated(p.text)]
+    if len(kept) < len(prompts):
+        print(f"self-generated prompts: {len(prompts) - len(kept)} dropped by decontamination", flush=True)
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------------------
