@@ -177,7 +177,6 @@ def test_prompt_files_and_offline_hub(tmp_path, monkeypatch):
         D.load_distill_data(tmp_path / "nothing")
 
 
-
 def test_self_written_prompts_keep_only_whole_fresh_turns(tmp_path, monkeypatch):
     """Magpie-style prompts: the target's user turns from the chat template's user prefix. A turn cut at
     max_new_tokens, one that runs on into the assistant's turn, an empty one, a repeat and a contaminated one
@@ -238,6 +237,7 @@ def test_self_written_prompts_keep_only_whole_fresh_turns(tmp_path, monkeypatch)
         DatasetConfig("p.jsonl", prompt_temperature=1.0)
     with pytest.raises(ConfigError, match="prompt_temperature.*must be > 0"):
         DatasetConfig("self", prompt_temperature=0.0)
+
 
 def test_teacher_forced_examples_mix_with_generated_ones(tmp_path, target):
     """Records with given answers become teacher-forced examples (no generation; the answer's bytes + EOS on the
