@@ -93,8 +93,10 @@ def test_data_is_target_responses_with_response_mask_and_resumes(data_dir, targe
     summary = json.loads((data_dir / "summary.json").read_text())
     assert len(data) == summary["examples"] == summary["prompts"] > 80
     assert summary["decode_batch"] == 32 and 0 < summary["batch_utilisation"] <= 1
-    assert summary["generate_tokens_per_second"] == pytest.approx(
-        summary["new_tokens_this_run"] / summary["generate_seconds"], rel=0.02)
+    # the summary rounds generate_seconds to 0.01 s, and the tiny model takes ~0.2 s: check the rate against
+    # the interval that rounding allows, not a relative tolerance the rounding alone can exceed
+    seconds, tokens = summary["generate_seconds"], summary["new_tokens_this_run"]
+    assert tokens / (seconds + 0.005) <= summary["generate_tokens_per_second"] <= tokens / max(seconds - 0.005, 1e-3)
     for ids, mask, plen in zip(data.input_ids, data.loss_mask, data.prompt_lens):
         assert mask[:plen].sum() == 0 and mask[plen:].all() and len(ids) > plen
     assert len(set(data.ids)) == len(data)
