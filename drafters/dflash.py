@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafters import register
+from specdec import trees
 from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
@@ -461,25 +462,35 @@ class DFlashDrafter(Drafter):
     jittable = True
     has_confidence = True
 
-    def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME):
-        if not 1 <= num_draft_tokens <= arch.drafts:
-            why = f"block_size={arch.block_size}" if arch.layout == "specdec" else \
-                f"block_size - 1 = {arch.drafts}: the peer layout's anchor slot drafts nothing"
-            raise ValueError(f"{name}: num_draft_tokens must be in [1, {why}] (the block it was trained with), "
-                             f"got {num_draft_tokens}")
+    def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME, tree_top_k: int = 0,
+                 tree_depth: int = 0):
         self.arch, self.num_draft_tokens, self.name = arch, int(num_draft_tokens), name
         self.taps = arch.taps
         # {"params": trained weights, "embed": target embedding, "head": [H, Vd], buffers (d2t: int32 [Vd])}
         self.params = params
+        self.top_k, self.depth = int(tree_top_k), int(tree_depth)
+        if self.top_k or self.depth:  # a token tree from the same block forward (`propose_tree`)
+            if not 1 <= self.depth <= arch.drafts:
+                raise ValueError(f"{name}: tree_depth must be in [1, {arch.drafts}] (the drafts of the block it was "
+                                 f"trained with), got {tree_depth}")
+            trees.check_tree_budget(self.num_draft_tokens, self.top_k, self.depth)
+            # instance attributes: a tree has no prefix survival per chain position for the schedulers; its
+            # nodes come best first, so the adaptive width may verify any prefix of it
+            self.kind, self.has_confidence, self.ordered_tree = "tree", False, True
+        elif not 1 <= num_draft_tokens <= arch.drafts:
+            why = f"block_size={arch.block_size}" if arch.layout == "specdec" else \
+                f"block_size - 1 = {arch.drafts}: the peer layout's anchor slot drafts nothing"
+            raise ValueError(f"{name}: num_draft_tokens must be in [1, {why}] (the block it was trained with), "
+                             f"got {num_draft_tokens}")
 
     @classmethod
-    def from_trained(cls, arch, trained, buffers, target, num_draft_tokens):
+    def from_trained(cls, arch, trained, buffers, target, num_draft_tokens, tree_top_k=0, tree_depth=0):
         buffers = {k: jnp.asarray(v) for k, v in (buffers or {}).items()}
         trained, head = jax.tree.map(jnp.asarray, trained), target.output_projection()
         if "d2t" in buffers:  # slice the vocabulary once here, not in every round
             head, trained = head[:, buffers["d2t"]], cls.restrict_vocab(trained, buffers["d2t"])
         params = {"params": trained, "embed": jnp.asarray(target.params["embed"]), "head": head, **buffers}
-        return cls(arch, params, num_draft_tokens)
+        return cls(arch, params, num_draft_tokens, tree_top_k=tree_top_k, tree_depth=tree_depth)
 
     @staticmethod
     def restrict_vocab(trained, d2t):
@@ -532,10 +543,40 @@ class DFlashDrafter(Drafter):
         conf = jnp.cumprod(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1), axis=-1)
         return tokens, probs, conf
 
+    def next_logits(self, params, u, prev):
+        """Draft logits [B, W, Vd] of the slots with block logits `u` [B, W, Vd] whose previous token is `prev`
+        [B, W] (target ids). DFlash's slots ignore it; DSpark adds its Markov head's bias."""
+        del params, prev
+        return u
+
     def propose(self, params, state: BlockState, ctx: RoundContext, sampling, key):
         hidden, root = self.block(params, state, ctx)
+        if self.kind == "tree":
+            return self.propose_tree(params, hidden, root), state
         tokens, probs, conf = self.draw(params, hidden, root, sampling, key)
         return Draft.chain(tokens, probs=probs), dataclasses.replace(state, confidence=conf)
+
+    def propose_tree(self, params, hidden, root) -> Draft:
+        """An EAGLE-2 dynamic tree (`specdec.trees.grow_dynamic_tree`) from ONE block forward: a node at depth d
+        gets its children from slot d's logits (the block drafts every depth in parallel, so all nodes of a
+        depth share them) through `next_logits` with the node's own token, which is where DSpark's Markov head
+        makes siblings' subtrees differ. No extra network call per level: a tree costs the chain's block
+        forward plus `top_k` head evaluations per level. Candidates are top-k picks, so the draft is
+        deterministic (probs=None) and `greedy_tree` / `multidraft_tree` verify it losslessly. The nodes come
+        best first (highest cumulative draft log-prob): the adaptive verify width may cut the tree anywhere."""
+        k = self.top_k
+        u = self.head_logits(params, hidden)  # [B, D, Vd]: the logits of every depth, before any previous token
+
+        def expand(tokens, depth, mask, _):  # the frontier (the last k nodes expanded) asks for its children
+            del mask
+            front, front_depth = tokens[:, -k:], depth[:, -k:]  # depth d >= 1: its children are slot d's
+            u_front = jnp.take_along_axis(u, jnp.minimum(front_depth, u.shape[1] - 1)[..., None], axis=1)
+            return self.next_logits(params, u_front, front), None
+
+        root_logits = self.next_logits(params, u[:, :1], root[:, None])[:, 0]
+        return trees.grow_dynamic_tree(root_logits, expand, k, self.depth, self.num_draft_tokens,
+                                       to_target=lambda ids: draft_to_target(ids, params.get("d2t")),
+                                       best_first=True)
 
     def draft_confidence(self, state: BlockState) -> jax.Array:
         """[B, k] non-increasing prefix survival estimates of the last proposal (see specdec.scheduling).
@@ -543,9 +584,15 @@ class DFlashDrafter(Drafter):
         return state.confidence
 
     def update(self, params, state: BlockState, ctx: RoundContext, result, taps):
-        """Append the context K/V of [root, nodes] (positions root_pos + i); keep the committed ones only."""
+        """Append the context K/V of the root and the accepted path (positions root_pos + i); keep the committed
+        ones only. The taps come in verify order [root, nodes]: for a tree the accepted path is gathered first
+        (for a chain the path is 0, 1, ... and the gather changes nothing)."""
         cache = state.cache
         width = taps.shape[2]
+        if self.kind == "tree":
+            path = result.path[:, :width - 1]
+            idx = jnp.concatenate([jnp.zeros_like(path[:, :1]), jnp.where(path >= 0, path + 1, 0)], axis=1)
+            taps = jnp.take_along_axis(taps, idx[None, :, :, None], axis=2)
         positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
         cache = self._write_context(params, cache, taps, positions, cache.lengths)
         return dataclasses.replace(state, cache=cache.with_lengths(ctx.seq_len - 1))
@@ -553,6 +600,8 @@ class DFlashDrafter(Drafter):
     def describe(self):
         out = {**super().describe(), "taps": list(self.taps), "block_size": self.arch.block_size,
                "draft_layers": self.arch.cfg.num_layers, "draft_vocab": self.arch.draft_vocab or "full"}
+        if self.kind == "tree":
+            out.update(tree_top_k=self.top_k, tree_depth=self.depth)
         if self.arch.layout != "specdec":  # only then: a default drafter's description (a cache key) is unchanged
             out["block_layout"] = self.arch.layout
         return out
@@ -568,8 +617,10 @@ def arch_from_checkpoint(target, config: dict) -> BlockArch:
 
 
 @register(NAME)
-def make_dflash(target, num_draft_tokens: int, path: str = ""):
-    """A trained DFlash drafter: `path` = its training run directory (or an exported drafter directory)."""
+def make_dflash(target, num_draft_tokens: int, path: str = "", tree_top_k: int = 0, tree_depth: int = 0):
+    """A trained DFlash drafter: `path` = its training run directory (or an exported drafter directory).
+    `tree_top_k` / `tree_depth` > 0: draft a dynamic token tree of `num_draft_tokens` nodes (`propose_tree`)."""
     info = load_trained(path, NAME, target, "dflash")
     arch = arch_from_checkpoint(target, info["config"])
-    return DFlashDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens)
+    return DFlashDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,
+                                      tree_top_k, tree_depth)

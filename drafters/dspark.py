@@ -203,10 +203,14 @@ def make_task(target, num_layers: int = 2, taps: list | None = None, block_size:
 class DSparkDrafter(DFlashDrafter):
     """DFlash's block forward, then the slots sampled left to right through the Markov head."""
 
-    def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME):
+    def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME, tree_top_k: int = 0,
+                 tree_depth: int = 0):
         if arch.markov_rank < 1:
             raise ValueError("dspark needs a Markov head (markov_rank >= 1)")
-        super().__init__(arch, params, num_draft_tokens, name=name)
+        super().__init__(arch, params, num_draft_tokens, name=name, tree_top_k=tree_top_k, tree_depth=tree_depth)
+
+    def next_logits(self, params, u, prev):
+        return u + markov_bias(params["params"], prev)[0]  # W2 already restricted by `restrict_vocab`
 
     @staticmethod
     def restrict_vocab(trained, d2t):
@@ -239,8 +243,11 @@ class DSparkDrafter(DFlashDrafter):
 
 
 @register(NAME)
-def make_dspark(target, num_draft_tokens: int, path: str = ""):
-    """A trained DSpark drafter: `path` = its training run directory (or an exported drafter directory)."""
+def make_dspark(target, num_draft_tokens: int, path: str = "", tree_top_k: int = 0, tree_depth: int = 0):
+    """A trained DSpark drafter: `path` = its training run directory (or an exported drafter directory).
+    `tree_top_k` / `tree_depth` > 0: draft a dynamic token tree of `num_draft_tokens` nodes, the Markov head
+    conditioning each node's children on its token (`DFlashDrafter.propose_tree`)."""
     info = load_trained(path, NAME, target, "dspark")
     arch = dflash.arch_from_checkpoint(target, info["config"])
-    return DSparkDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens)
+    return DSparkDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,
+                                      tree_top_k, tree_depth)

@@ -174,8 +174,8 @@ def dynamic_tree_write_width(top_k: int, depth: int) -> int:
 
 
 def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array, num_nodes: int,
-                        probs: jax.Array | None = None,
-                        valid: jax.Array | None = None) -> tuple[Draft, jax.Array]:
+                        probs: jax.Array | None = None, valid: jax.Array | None = None,
+                        best_first: bool = False) -> tuple[Draft, jax.Array]:
     """Keep the `num_nodes` candidates with the highest cumulative draft log-prob and renumber them as a Draft.
 
     Expected candidate layout (C candidates per row, in the order they were generated):
@@ -193,7 +193,9 @@ def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array
     ancestors score at least as high. To stay correct with ties (a child with log-prob 0) and with scores that
     are not exactly monotone, scores are first made monotone along every path (a node's score is capped by
     its parent's) and ties are broken by candidate index, so a parent (lower index) always outranks its
-    children. The kept candidates are then sorted by index, which keeps the order topological.
+    children. The kept candidates are then sorted by index, which keeps the order topological; or, with
+    `best_first`, left in score order (highest first, ties by index), which is topological for the same reason
+    and makes every prefix of the draft the best tree of its size (`Drafter.ordered_tree`).
 
     Returns the Draft (N = num_nodes; `valid` False for slots filled with invalid candidates when a row has
     fewer than num_nodes valid ones) and `selected` int32 [B, num_nodes], the candidate index of each node
@@ -215,7 +217,7 @@ def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array
 
     scores = jax.lax.fori_loop(0, c, cap_by_parent, scores)
     top_scores, chosen = jax.lax.top_k(scores, num_nodes)  # equal scores: lower index first
-    order = jnp.argsort(chosen, axis=1)
+    order = jnp.broadcast_to(jnp.arange(num_nodes), chosen.shape) if best_first else jnp.argsort(chosen, axis=1)
     chosen = jnp.take_along_axis(chosen, order, axis=1).astype(jnp.int32)
     kept_valid = jnp.take_along_axis(top_scores, order, axis=1) > -jnp.inf
 
@@ -230,7 +232,7 @@ def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array
 
 
 def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, depth: int, num_nodes: int,
-                      root_inputs: Any = None, to_target: Callable | None = None) -> Draft:
+                      root_inputs: Any = None, to_target: Callable | None = None, best_first: bool = False) -> Draft:
     """EAGLE-2's dynamic tree, grown from a drafter's logits at the root [B, V]: expand the `top_k` best nodes
     of each depth by their `top_k` most likely children for `depth` levels, then keep the `num_nodes`
     candidates with the highest cumulative draft log-probability (`select_dynamic_tree`).
@@ -243,6 +245,7 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
     their children's inputs; `root_inputs` [B, top_k, ...] are the depth-1 nodes' inputs. `to_target` maps
     draft-vocabulary ids to target ids (a reduced draft vocabulary). Candidates are top-k picks, not samples,
     so the draft is deterministic (probs=None): multidraft_tree verifies it losslessly at any temperature.
+    `best_first`: the nodes in score order (`select_dynamic_tree`), so any prefix is the best smaller tree.
     """
     k = top_k
     to_target = to_target or (lambda ids: ids)
@@ -273,7 +276,7 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
                                   exp_inputs, outputs)
         offset += k * k
     draft, _ = select_dynamic_tree(jnp.concatenate(cand_tokens, 1), jnp.concatenate(cand_parents, 1),
-                                   jnp.concatenate(cand_scores, 1), num_nodes)
+                                   jnp.concatenate(cand_scores, 1), num_nodes, best_first=best_first)
     return draft
 
 

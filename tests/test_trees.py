@@ -131,6 +131,11 @@ def test_select_dynamic_tree_golden():
     np.testing.assert_array_equal(draft.tokens, [[10, 11, 13, 15], [21, 22, 25, 26]])
     np.testing.assert_array_equal(draft.parents, [[-1, -1, 0, 1], [-1, -1, 0, 0]])
     assert bool(draft.valid.all()) and draft.probs is None
+    # best first: the same nodes in score order, still parents before children, so every prefix is a tree
+    draft, selected = select_dynamic_tree(tokens, parents, scores, num_nodes=4, best_first=True)
+    np.testing.assert_array_equal(selected, [[0, 3, 1, 5], [1, 6, 5, 2]])
+    np.testing.assert_array_equal(draft.tokens, [[10, 13, 11, 15], [21, 26, 25, 22]])
+    np.testing.assert_array_equal(draft.parents, [[-1, 0, -1, 2], [-1, 0, 0, -1]])
 
 
 def test_select_dynamic_tree_ties_and_non_monotone_scores_still_give_a_tree():
