@@ -37,17 +37,19 @@ class HybridDrafter(Drafter):
     """Per row: the lookup's draft when the context ends in a match of >= `min_match` tokens, else `model`'s."""
 
     name = NAME
-    kind = "chain"
     jittable = True
     evidence_classes = 1 + len(MATCH_CLASS_STARTS)  # 0: the model's draft; 1 + c: the lookup's, match class c
 
     def __init__(self, model: Drafter, lookup: NgramDrafter, min_match: int):
-        if model.kind != "chain" or not model.jittable:
-            raise ValueError(f"hybrid: the trained drafter must draft chains in JAX; {model.name!r} does not")
+        if not model.jittable:
+            raise ValueError(f"hybrid: the trained drafter must draft in JAX; {model.name!r} does not")
         if min_match < 1:
             raise ValueError(f"hybrid: min_match must be >= 1, got {min_match}")
         self.model, self.lookup, self.min_match = model, lookup, int(min_match)
         self.num_draft_tokens = model.num_draft_tokens
+        # a tree model (DSpark / DFlash with tree_top_k): the rows that copy carry the lookup's chain as a tree of
+        # one branch; a chain's every prefix is the best tree of its size, so the order stays best first
+        self.kind, self.ordered_tree = model.kind, model.ordered_tree
         self.taps, self.params, self.skippable = model.taps, model.params, model.skippable
 
     def init(self, params, prompt, capacity):
@@ -88,9 +90,9 @@ class HybridDrafter(Drafter):
         if model_draft.probs is not None:  # sampled: the lookup's rows carry their one-hot q
             one_hot = jax.nn.one_hot(lookup_draft.tokens, model_draft.probs.shape[-1], dtype=model_draft.probs.dtype)
             probs = pick(one_hot, model_draft.probs)
-        draft = Draft.chain(pick(lookup_draft.tokens, model_draft.tokens), probs=probs,
-                            valid=pick(lookup_draft.valid, model_draft.valid),
-                            evidence=self.evidence_before_draft(ctx))
+        draft = Draft.tree(pick(lookup_draft.tokens, model_draft.tokens),
+                           pick(lookup_draft.parents, model_draft.parents), probs=probs,
+                           valid=pick(lookup_draft.valid, model_draft.valid), evidence=self.evidence_before_draft(ctx))
         return draft, state
 
     def update(self, params, state, ctx, result, taps):
@@ -109,12 +111,15 @@ class HybridDrafter(Drafter):
 
 @register(NAME)
 def make(target, num_draft_tokens: int, path: str = str(SHIPPED_DRAFTER), min_match: int = 2,
-         max_ngram: int = 3):
+         max_ngram: int = 3, tree_top_k: int = 0, tree_depth: int = 0):
     """`path`: a trained chain drafter's directory (the kind read from it; default: the shipped DSpark);
     `min_match`: the shortest lookup match (tokens) whose continuation is drafted instead of the model's (1, 2,
     3 and 4 gave mean engine tau 1.85, 1.88, 1.88 and 1.81 with session 25's shipped DSpark on MT-Bench / GSM8K
     / HumanEval; 2 was ahead on MT-Bench and GSM8K; docs/TRAINING.md, session 25; at 2, 1.94 with session 26's
     and 1.98 with session 27's);
-    `max_ngram`: the lookup's longest n-gram (as the ngram drafter's)."""
-    model = create_drafter(None, target, num_draft_tokens, path=path)
+    `max_ngram`: the lookup's longest n-gram (as the ngram drafter's);
+    `tree_top_k` / `tree_depth`: the trained drafter drafts a token tree of `num_draft_tokens` nodes (block
+    drafters; the rows that copy still take the lookup's chain), verified by the tree policies."""
+    tree = {"tree_top_k": tree_top_k, "tree_depth": tree_depth} if tree_top_k or tree_depth else {}
+    model = create_drafter(None, target, num_draft_tokens, path=path, **tree)
     return HybridDrafter(model, NgramDrafter(num_draft_tokens, max_ngram=max_ngram), min_match)

@@ -58,21 +58,29 @@ def test_each_row_gets_lookup_or_model_draft_by_its_match_length():
     assert greedy.probs is None
 
 
-@pytest.mark.parametrize("model", ["dspark", "self_spec"])
+@pytest.mark.parametrize("model", ["dspark", "self_spec", "dspark_tree"])
 def test_greedy_output_equals_ar_at_fixed_and_adaptive_width(model):
-    """DSpark (skippable: its forward is skipped when every row copies) and self-speculation (not skippable: its
-    propose catches up on the committed tokens, so it runs every round)."""
+    """DSpark (skippable: its forward is skipped when every row copies), self-speculation (not skippable: its
+    propose catches up on the committed tokens, so it runs every round) and DSpark drafting a token tree (the
+    copying rows carry the lookup's chain as a one-branch tree; the adaptive width may verify a prefix)."""
     target = peaky_target(1)  # its greedy continuations of PROMPTS repeat themselves within 40 tokens
+    policy, costs = "greedy_chain", (1.0, 1.1, 1.3)  # one round cost per verify width: 0, 1, 3 drafts
     if model == "dspark":
         drafter = hybrid(target, min_match=1)
+    elif model == "dspark_tree":
+        chain = random_dspark(target, 3)
+        tree = type(chain)(chain.arch, chain.params, 6, tree_top_k=2, tree_depth=3)
+        drafter, policy = HybridDrafter(tree, NgramDrafter(6, max_ngram=3), 1), "greedy_tree"
+        costs = (1.0, 1.1, 1.3, 1.6)  # widths 0, 1, 3, 6
+        assert drafter.kind == "tree" and drafter.ordered_tree
     else:
         drafter = HybridDrafter(create_drafter("self_spec", target, 3, num_layers=1), NgramDrafter(3), 1)
         assert not drafter.skippable
     ar = generate(target, PROMPTS, 40).tokens
-    fixed = speculative_generate(target, drafter, PROMPTS, max_new_tokens=40)
+    fixed = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=40)
     assert fixed.tokens == ar and fixed.metrics.accepted_draft_tokens > 0
-    adaptive = speculative_generate(target, drafter, PROMPTS, max_new_tokens=40, verify_buckets="auto",
-                                    scheduler=AdaptiveWidth(costs=((1.0, 1.1, 1.3), 0.05)))
+    adaptive = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=40,
+                                    verify_buckets="auto", scheduler=AdaptiveWidth(costs=(costs, 0.05)))
     assert adaptive.tokens == ar
 
 
@@ -87,8 +95,8 @@ def test_sampled_output_is_target_distribution():
 def test_bad_settings_are_clear_errors(tiny_target):
     with pytest.raises(ValueError, match="min_match must be >= 1"):
         hybrid(tiny_target, min_match=0)
-    tree = create_drafter("self_spec", tiny_target, 4, num_layers=1, tree_top_k=2, tree_depth=2)
-    with pytest.raises(ValueError, match="must draft chains"):
-        HybridDrafter(tree, NgramDrafter(4), 2)
+    host_side = create_drafter("suffix", tiny_target, 4)
+    with pytest.raises(ValueError, match="must draft in JAX"):
+        HybridDrafter(host_side, NgramDrafter(4), 2)
     with pytest.raises(ValueError, match="unknown parameter"):
         create_drafter("hybrid", tiny_target, 3, min_macth=2)
