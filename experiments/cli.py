@@ -70,10 +70,13 @@ def cmd_quickstart(args) -> int:
     if "suffix" in drafters.available():
         specs.insert(2, DrafterSpec("suffix", 8, {}, policy="greedy_tree", scheduler=adaptive))
     shipped = _shipped_drafter_fits(target)
-    if shipped:  # the trained drafter that ships with the repo, if it was trained on this target
-        specs.append(DrafterSpec("dspark", 7, {"path": shipped}, scheduler=adaptive, label="dspark(shipped)"))
+    if shipped:  # the trained drafter that ships with the repo, if it was trained on this target, drafting a
+        # 7-node token tree from its block forward (engine tau 1.81 against its chain's 1.62, at batch 1 as fast
+        # or faster: docs/BENCHMARKS.md, session 31)
+        tree = {"path": shipped, "tree_top_k": 4, "tree_depth": 3}
+        specs.append(DrafterSpec("dspark", 7, tree, policy="greedy_tree", scheduler=adaptive, label="dspark(shipped)"))
         # ... and with prompt lookup where the context repeats itself (drafters/hybrid.py)
-        specs.append(DrafterSpec("hybrid", 7, {"path": shipped, "min_match": 2}, scheduler=adaptive,
+        specs.append(DrafterSpec("hybrid", 7, {**tree, "min_match": 2}, policy="greedy_tree", scheduler=adaptive,
                                  label="hybrid(shipped+lookup)"))
     print(f"{len(prompts)} built-in prompts ({', '.join(sorted({c for c, _ in prompts}))}), batch 1, greedy, "
           f"{args.max_new_tokens} new tokens; AR baseline first, then each drafter (compile excluded; the adaptive "

@@ -75,8 +75,8 @@ def tree_scores_at_the_context_edge(target, drafter, capacity: int, monkeypatch)
     state = drafter.init(drafter.params, PromptInfo(tokens, lengths, taps, first), capacity)
     seq = jnp.zeros((1, capacity), jnp.int32).at[0, :length].set(jnp.asarray(prompt)).at[0, length].set(first[0])
     seen, select = [], trees.select_dynamic_tree
-    monkeypatch.setattr(trees, "select_dynamic_tree", lambda t, p, scores, n: seen.append(scores)
-                        or select(t, p, scores, n))
+    monkeypatch.setattr(trees, "select_dynamic_tree", lambda t, p, scores, n, **kw: seen.append(scores)
+                        or select(t, p, scores, n, **kw))
 
     @jax.jit
     def scores(params, state, ctx):
