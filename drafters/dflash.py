@@ -569,8 +569,8 @@ class DFlashDrafter(Drafter):
 
         def expand(tokens, depth, mask, _):  # the frontier (the last k nodes expanded) asks for its children
             del mask
-            front, front_depth = tokens[:, -k:], depth[:, -k:]  # depth d >= 1: its children are slot d's
-            u_front = jnp.take_along_axis(u, jnp.minimum(front_depth, u.shape[1] - 1)[..., None], axis=1)
+            front, front_depth = tokens[:, -k:], depth[:, -k:]  # depth d < tree_depth: its children are slot d's
+            u_front = jnp.take_along_axis(u, front_depth[..., None], axis=1)
             return self.next_logits(params, u_front, front), None
 
         root_logits = self.next_logits(params, u[:, :1], root[:, None])[:, 0]
@@ -585,8 +585,8 @@ class DFlashDrafter(Drafter):
 
     def update(self, params, state: BlockState, ctx: RoundContext, result, taps):
         """Append the context K/V of the root and the accepted path (positions root_pos + i); keep the committed
-        ones only. The taps come in verify order [root, nodes]: for a tree the accepted path is gathered first
-        (for a chain the path is 0, 1, ... and the gather changes nothing)."""
+        ones only. The taps come in verify order [root, nodes]: a chain's are already in path order, a tree's
+        accepted path is gathered first."""
         cache = state.cache
         width = taps.shape[2]
         if self.kind == "tree":

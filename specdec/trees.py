@@ -217,9 +217,11 @@ def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array
 
     scores = jax.lax.fori_loop(0, c, cap_by_parent, scores)
     top_scores, chosen = jax.lax.top_k(scores, num_nodes)  # equal scores: lower index first
-    order = jnp.broadcast_to(jnp.arange(num_nodes), chosen.shape) if best_first else jnp.argsort(chosen, axis=1)
-    chosen = jnp.take_along_axis(chosen, order, axis=1).astype(jnp.int32)
-    kept_valid = jnp.take_along_axis(top_scores, order, axis=1) > -jnp.inf
+    if not best_first:  # index order
+        order = jnp.argsort(chosen, axis=1)
+        chosen, top_scores = (jnp.take_along_axis(x, order, axis=1) for x in (chosen, top_scores))
+    chosen = chosen.astype(jnp.int32)
+    kept_valid = top_scores > -jnp.inf
 
     new_index = jnp.full((b, c), -1, jnp.int32).at[rows[:, None], chosen].set(jnp.arange(num_nodes, dtype=jnp.int32))
     old_parent = jnp.take_along_axis(parents, chosen, axis=1)

@@ -20,6 +20,7 @@ from specdec.generate import generate
 from specdec.sampling import SamplingParams
 from specdec.testing import (PROMPTS, assert_lossless, distribution_target, peaky_target, prefill_for_drafter,
                              sampled_joint)
+from tests.test_dspark import as_tree
 from tests.test_scheduling import random_dspark
 
 
@@ -68,8 +69,7 @@ def test_greedy_output_equals_ar_at_fixed_and_adaptive_width(model):
     if model == "dspark":
         drafter = hybrid(target, min_match=1)
     elif model == "dspark_tree":
-        chain = random_dspark(target, 3)
-        tree = type(chain)(chain.arch, chain.params, 6, tree_top_k=2, tree_depth=3)
+        tree = as_tree(random_dspark(target, 3), 6, top_k=2, depth=3)
         drafter, policy = HybridDrafter(tree, NgramDrafter(6, max_ngram=3), 1), "greedy_tree"
         costs = (1.0, 1.1, 1.3, 1.6)  # widths 0, 1, 3, 6
         assert drafter.kind == "tree" and drafter.ordered_tree
