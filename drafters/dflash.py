@@ -55,6 +55,9 @@ from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
 
 NAME = "dflash"
+# Above temperature 0 a block drafter's token tree is sampled (`DFlashDrafter.sample_tree`), its fixed shape drawn
+# up for this prior first-draw acceptance (`trees.rank_prior_tree`); 0: the top-k tree at every temperature
+TREE_ACCEPT = 0.5
 MASK_TOKEN_NAME = "<empty_output>"  # SmolLM2: id 16, never produced in chat data
 LAYOUTS = ("specdec", "peer")
 
@@ -463,7 +466,7 @@ class DFlashDrafter(Drafter):
     has_confidence = True
 
     def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME, tree_top_k: int = 0,
-                 tree_depth: int = 0):
+                 tree_depth: int = 0, tree_accept: float = TREE_ACCEPT):
         self.arch, self.num_draft_tokens, self.name = arch, int(num_draft_tokens), name
         self.taps = arch.taps
         # {"params": trained weights, "embed": target embedding, "head": [H, Vd], buffers (d2t: int32 [Vd])}
@@ -474,6 +477,10 @@ class DFlashDrafter(Drafter):
                 raise ValueError(f"{name}: tree_depth must be in [1, {arch.drafts}] (the drafts of the block it was "
                                  f"trained with), got {tree_depth}")
             trees.check_tree_budget(self.num_draft_tokens, self.top_k, self.depth)
+            # tree_accept > 0: above temperature 0 the tree is sampled (`sample_tree`), of this fixed shape
+            self.tree_accept = float(tree_accept)
+            self.sampled_shape = trees.rank_prior_tree(self.num_draft_tokens, self.top_k, self.depth,
+                                                       tree_accept) if tree_accept else None
             # instance attributes: a tree has no prefix survival per chain position for the schedulers; its
             # nodes come best first, so the adaptive width may verify any prefix of it
             self.kind, self.has_confidence, self.ordered_tree = "tree", False, True
@@ -484,13 +491,15 @@ class DFlashDrafter(Drafter):
                              f"got {num_draft_tokens}")
 
     @classmethod
-    def from_trained(cls, arch, trained, buffers, target, num_draft_tokens, tree_top_k=0, tree_depth=0):
+    def from_trained(cls, arch, trained, buffers, target, num_draft_tokens, tree_top_k=0, tree_depth=0,
+                     tree_accept=TREE_ACCEPT):
         buffers = {k: jnp.asarray(v) for k, v in (buffers or {}).items()}
         trained, head = jax.tree.map(jnp.asarray, trained), target.output_projection()
         if "d2t" in buffers:  # slice the vocabulary once here, not in every round
             head, trained = head[:, buffers["d2t"]], cls.restrict_vocab(trained, buffers["d2t"])
         params = {"params": trained, "embed": jnp.asarray(target.params["embed"]), "head": head, **buffers}
-        return cls(arch, params, num_draft_tokens, tree_top_k=tree_top_k, tree_depth=tree_depth)
+        return cls(arch, params, num_draft_tokens, tree_top_k=tree_top_k, tree_depth=tree_depth,
+                   tree_accept=tree_accept)
 
     @staticmethod
     def restrict_vocab(trained, d2t):
@@ -552,7 +561,9 @@ class DFlashDrafter(Drafter):
     def propose(self, params, state: BlockState, ctx: RoundContext, sampling, key):
         hidden, root = self.block(params, state, ctx)
         if self.kind == "tree":
-            return self.propose_tree(params, hidden, root), state
+            if sampling.greedy or self.sampled_shape is None:
+                return self.propose_tree(params, hidden, root), state
+            return self.sample_tree(params, hidden, root, sampling, key), state
         tokens, probs, conf = self.draw(params, hidden, root, sampling, key)
         return Draft.chain(tokens, probs=probs), dataclasses.replace(state, confidence=conf)
 
@@ -562,7 +573,9 @@ class DFlashDrafter(Drafter):
         depth share them) through `next_logits` with the node's own token, which is where DSpark's Markov head
         makes siblings' subtrees differ. No extra network call per level: a tree costs the chain's block
         forward plus `top_k` head evaluations per level. Candidates are top-k picks, so the draft is
-        deterministic (probs=None) and `greedy_tree` / `multidraft_tree` verify it losslessly. The nodes come
+        deterministic (probs=None) and `greedy_tree` / `multidraft_tree` verify it losslessly. Used at
+        temperature 0 (above it `sample_tree`, unless `tree_accept` is 0: then this tree, whose node accepts only
+        the target's mass on its top-k picks). The nodes come
         best first (highest cumulative draft log-prob): the adaptive verify width may cut the tree anywhere."""
         k = self.top_k
         u = self.head_logits(params, hidden)  # [B, D, Vd]: the logits of every depth, before any previous token
@@ -577,6 +590,50 @@ class DFlashDrafter(Drafter):
         return trees.grow_dynamic_tree(root_logits, expand, k, self.depth, self.num_draft_tokens,
                                        to_target=lambda ids: draft_to_target(ids, params.get("d2t")),
                                        best_first=True)
+
+    def sample_tree(self, params, hidden, root, sampling, key) -> Draft:
+        """A SAMPLED token tree (temperature > 0) from the same block forward: the fixed shape
+        `trees.rank_prior_tree` (a sampled tree cannot be pruned by what it drew), each node's children drawn
+        WITHOUT replacement from q at that node (slot d's logits through `next_logits` with the node's token) by
+        the Gumbel-top-k trick, in draw order. The rank-r child was drawn from q with its r earlier siblings
+        removed and renormalised, and that is the q it carries: multidraft_tree's recursive rejection test
+        then stays exact (Sequoia's sampling without replacement; after a rejection the residual is already
+        0 at the rejected token, so no draw is wasted on it). Where q has fewer than r + 1 tokens (top-k /
+        top-p), the rank-r child and its subtree are invalid. On the shipped DSpark at temperature 1 (7 nodes)
+        it measured mean engine tau 1.57 (accept 0.5; 0.65 at depth 4, a deeper spine: also 1.57) against the top-k tree's 1.48 and the
+        chain's 1.47; on tests/test_dspark.py's two-phrase language the top-k tree wins (7.01 against 6.18): its
+        shape follows a near-perfect drafter's scores into both phrases, a fixed shape cannot (docs/TRAINING.md,
+        session 32)."""
+        shape, d2t = self.sampled_shape, params.get("d2t")
+        u = self.head_logits(params, hidden)  # [B, D, Vd]
+        tokens, dists, valid = [None] * shape.num_nodes, [None] * shape.num_nodes, [None] * shape.num_nodes
+        keys = jax.random.split(key, shape.max_depth)
+        ones = jnp.ones(root.shape, bool)
+        for d in range(1, shape.max_depth + 1):  # static loop over tree depth
+            nodes = [i for i in range(shape.num_nodes) if shape.depth[i] == d]
+            parents = sorted({int(shape.parents[i]) for i in nodes})  # -1: the root
+            prev = jnp.stack([root if p < 0 else tokens[p] for p in parents], axis=1)  # [B, P] target ids
+            u_d = jnp.broadcast_to(u[:, d - 1:d], (u.shape[0], len(parents), u.shape[-1]))
+            q = probabilities(self.next_logits(params, u_d, prev), sampling)  # [B, P, Vd]
+            ranks = int(shape.rank[nodes].max()) + 1
+            perturbed = jnp.where(q > 0, jnp.log(q) + jax.random.gumbel(keys[d - 1], q.shape), -jnp.inf)
+            drawn_score, drawn = jax.lax.top_k(perturbed, ranks)  # [B, P, ranks]: the draws, in draw order
+            for i in nodes:
+                j, r, parent = parents.index(int(shape.parents[i])), int(shape.rank[i]), int(shape.parents[i])
+                dists[i] = self.without_earlier_draws(q[:, j], drawn[:, j, :r])
+                tokens[i] = draft_to_target(drawn[:, j, r], d2t)
+                valid[i] = (drawn_score[:, j, r] > -jnp.inf) & (ones if parent < 0 else valid[parent])
+        probs = draft_probs_to_target(jnp.stack(dists, axis=1), d2t, self.arch.cfg.vocab_size)
+        return Draft.tree(jnp.stack(tokens, axis=1), shape.batched_parents(root.shape[0]), probs=probs,
+                          valid=jnp.stack(valid, axis=1))
+
+    @staticmethod
+    def without_earlier_draws(q: jax.Array, earlier: jax.Array) -> jax.Array:
+        """q [B, V] with the tokens `earlier` [B, r] already drawn removed and renormalised (zeros when nothing
+        is left): the distribution the next draw without replacement comes from."""
+        left = q * (1.0 - jnp.sum(jax.nn.one_hot(earlier, q.shape[-1], dtype=q.dtype), axis=1))
+        total = jnp.sum(left, axis=-1, keepdims=True)
+        return left / jnp.where(total > 0, total, 1.0)
 
     def draft_confidence(self, state: BlockState) -> jax.Array:
         """[B, k] non-increasing prefix survival estimates of the last proposal (see specdec.scheduling).
@@ -602,6 +659,8 @@ class DFlashDrafter(Drafter):
                "draft_layers": self.arch.cfg.num_layers, "draft_vocab": self.arch.draft_vocab or "full"}
         if self.kind == "tree":
             out.update(tree_top_k=self.top_k, tree_depth=self.depth)
+            if self.sampled_shape is not None:
+                out.update(tree_accept=self.tree_accept)
         if self.arch.layout != "specdec":  # only then: a default drafter's description (a cache key) is unchanged
             out["block_layout"] = self.arch.layout
         return out
@@ -617,10 +676,13 @@ def arch_from_checkpoint(target, config: dict) -> BlockArch:
 
 
 @register(NAME)
-def make_dflash(target, num_draft_tokens: int, path: str = "", tree_top_k: int = 0, tree_depth: int = 0):
+def make_dflash(target, num_draft_tokens: int, path: str = "", tree_top_k: int = 0, tree_depth: int = 0,
+                tree_accept: float = TREE_ACCEPT):
     """A trained DFlash drafter: `path` = its training run directory (or an exported drafter directory).
-    `tree_top_k` / `tree_depth` > 0: draft a dynamic token tree of `num_draft_tokens` nodes (`propose_tree`)."""
+    `tree_top_k` / `tree_depth` > 0: draft a token tree of `num_draft_tokens` nodes, at temperature 0 a dynamic
+    one (`propose_tree`), above it a sampled one of fixed shape (`sample_tree`) drawn up for the prior first-draw
+    acceptance `tree_accept` (0: the top-k tree at every temperature)."""
     info = load_trained(path, NAME, target, "dflash")
     arch = arch_from_checkpoint(target, info["config"])
     return DFlashDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,
-                                      tree_top_k, tree_depth)
+                                      tree_top_k, tree_depth, tree_accept)

@@ -204,10 +204,11 @@ class DSparkDrafter(DFlashDrafter):
     """DFlash's block forward, then the slots sampled left to right through the Markov head."""
 
     def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME, tree_top_k: int = 0,
-                 tree_depth: int = 0):
+                 tree_depth: int = 0, tree_accept: float = dflash.TREE_ACCEPT):
         if arch.markov_rank < 1:
             raise ValueError("dspark needs a Markov head (markov_rank >= 1)")
-        super().__init__(arch, params, num_draft_tokens, name=name, tree_top_k=tree_top_k, tree_depth=tree_depth)
+        super().__init__(arch, params, num_draft_tokens, name=name, tree_top_k=tree_top_k, tree_depth=tree_depth,
+                         tree_accept=tree_accept)
 
     def next_logits(self, params, u, prev):
         return u + markov_bias(params["params"], prev)[0]  # W2 already restricted by `restrict_vocab`
@@ -243,11 +244,13 @@ class DSparkDrafter(DFlashDrafter):
 
 
 @register(NAME)
-def make_dspark(target, num_draft_tokens: int, path: str = "", tree_top_k: int = 0, tree_depth: int = 0):
+def make_dspark(target, num_draft_tokens: int, path: str = "", tree_top_k: int = 0, tree_depth: int = 0,
+                tree_accept: float = dflash.TREE_ACCEPT):
     """A trained DSpark drafter: `path` = its training run directory (or an exported drafter directory).
-    `tree_top_k` / `tree_depth` > 0: draft a dynamic token tree of `num_draft_tokens` nodes, the Markov head
-    conditioning each node's children on its token (`DFlashDrafter.propose_tree`)."""
+    `tree_top_k` / `tree_depth` > 0: draft a token tree of `num_draft_tokens` nodes, the Markov head
+    conditioning each node's children on its token (`DFlashDrafter.propose_tree` at temperature 0; above it
+    sampled, `DFlashDrafter.sample_tree`, unless `tree_accept` is 0)."""
     info = load_trained(path, NAME, target, "dspark")
     arch = dflash.arch_from_checkpoint(target, info["config"])
     return DSparkDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,
-                                      tree_top_k, tree_depth)
+                                      tree_top_k, tree_depth, tree_accept)

@@ -66,9 +66,11 @@ class StaticTree:
         return hash(self.paths)
 
 
-def tree_from_paths(paths: Sequence[Sequence[int]]) -> StaticTree:
+def tree_from_paths(paths: Sequence[Sequence[int]], keep_order: bool = False) -> StaticTree:
     """Build a StaticTree from Medusa / EAGLE-1 style choices, e.g. [[0], [1], [0, 0], [0, 1], [1, 0]].
 
+    The nodes come in BFS order, or with `keep_order` in the order given (which must list every path after its
+    prefix and after its lower-ranked siblings: a priority order, see `rank_prior_tree`).
     Raises ValueError on an empty list, an empty or non-integer or negative path, a duplicate, or a path
     whose prefix is missing (every node needs its parent in the tree).
     """
@@ -92,11 +94,54 @@ def tree_from_paths(paths: Sequence[Sequence[int]]) -> StaticTree:
                 raise ValueError(f"path {list(path)} needs its prefix {list(path[:cut])}, which is missing")
 
     ordered = sorted(clean, key=lambda p: (len(p), p))  # BFS: parents (shorter prefixes) come first
+    if keep_order:
+        seen = set()
+        for path in clean:
+            before = [path[:-1]] if len(path) > 1 else []
+            before += [path[:-1] + (r,) for r in range(path[-1]) if path[:-1] + (r,) in present]
+            if any(p not in seen for p in before):
+                raise ValueError(f"keep_order: path {list(path)} comes before its prefix or a lower-ranked sibling")
+            seen.add(path)
+        ordered = clean
     index = {p: i for i, p in enumerate(ordered)}
     parents = np.array([index[p[:-1]] if len(p) > 1 else -1 for p in ordered], np.int32)
     depth = np.array([len(p) for p in ordered], np.int32)
     rank = np.array([p[-1] for p in ordered], np.int32)
     return StaticTree(paths=tuple(ordered), parents=parents, depth=depth, rank=rank)
+
+
+def rank_prior_tree(num_nodes: int, top_k: int, depth: int, accept: float = 0.5) -> StaticTree:
+    """The fixed shape of a SAMPLED token tree: the `num_nodes` rank paths (ranks < `top_k`, at most `depth`
+    long) of highest prior value, best first (Sequoia's tree under a position-independent acceptance vector).
+
+    A node's value is the product over its path of `accept * (1 - accept) ** rank`: the assumed probability
+    that the rank-r draw at its parent is the one accepted there, for a drafter whose first draw is accepted
+    with probability `accept` and each later draw as often among what is left (0.5: 0.5, 0.25, 0.125, ...;
+    a high `accept` gives a deep spine, a low one a bushy top). A sampled tree cannot be pruned by its drawn
+    tokens' scores the way an EAGLE-2 tree is
+    (`select_dynamic_tree`): keeping a node because of the value it drew would bias the rejection test, so the
+    shape is fixed before any draw. Values fall along every path and along every sibling list, so the order
+    is topological with siblings in draw order, and every prefix is the best smaller tree
+    (`Drafter.ordered_tree`). Ties: shallower first, then by ranks.
+    """
+    if num_nodes < 1 or top_k < 1 or depth < 1:
+        raise ValueError(f"a sampled tree needs num_nodes, top_k and depth >= 1, got {num_nodes}, {top_k}, {depth}")
+    if not 0.0 < accept < 1.0:
+        raise ValueError(f"a sampled tree's prior acceptance (tree_accept) must be in (0, 1), got {accept}")
+    capacity = sum(top_k ** d for d in range(1, depth + 1))
+    if num_nodes > capacity:
+        raise ValueError(f"num_nodes={num_nodes} exceeds the {capacity} nodes of a tree of top_k={top_k}, "
+                         f"depth={depth}")
+    log_hit, log_miss = float(np.log(accept)), float(np.log1p(-accept))
+    value = lambda path: sum(log_hit + r * log_miss for r in path)  # noqa: E731  (log of the prior value)
+    chosen, frontier = [], [(r,) for r in range(top_k)]
+    while len(chosen) < num_nodes:  # the best node whose parent is already in: values fall along paths
+        best = max(frontier, key=lambda p: (value(p), -len(p), tuple(-r for r in p)))
+        frontier.remove(best)
+        chosen.append(best)
+        if len(best) < depth:
+            frontier += [best + (r,) for r in range(top_k)]
+    return tree_from_paths(chosen, keep_order=True)
 
 
 # ----------------------------------------------------------------------------------------------------------

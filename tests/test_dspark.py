@@ -295,9 +295,10 @@ def test_peer_layout_trains_and_drafts_losslessly_on_the_toy_language(toy_runs, 
 # Token trees from one block forward
 # ---------------------------------------------------------------------------------------------------------
 
-def as_tree(drafter, nodes: int, top_k: int, depth: int):
+def as_tree(drafter, nodes: int, top_k: int, depth: int, accept: float = dflash.TREE_ACCEPT):
     """The same trained block drafter (arch and weights) drafting a tree of `nodes` nodes."""
-    return type(drafter)(drafter.arch, drafter.params, nodes, tree_top_k=top_k, tree_depth=depth)
+    return type(drafter)(drafter.arch, drafter.params, nodes, tree_top_k=top_k, tree_depth=depth,
+                         tree_accept=accept)
 
 
 def test_tree_of_one_branch_is_the_greedy_chain_and_trees_are_lossless():
@@ -366,15 +367,58 @@ def test_tree_settings_are_checked():
 
 def test_toy_two_phrases_tree_covers_both_phrases(toy_runs):
     """At temperature 1 the chain bets on one of the two phrases after a marker; a tree of top_k=2 drafts both
-    (the Markov head keeps each branch on its phrase), so multidraft_tree accepts more per round."""
+    (the Markov head keeps each branch on its phrase), so multidraft_tree accepts more per round. This is the
+    top-k tree (tree_accept=0), whose shape follows the scores into both phrases; the default sampled tree's fixed
+    shape reaches 6.18 here (and wins on real text at T=1: `sample_tree`)."""
     target, runs = toy_runs
     chain = runs["dspark"][1]
     prompts = [[MARKER], [4], [7, 8], [MARKER, 4, 5, 6]] * 4
     sampling = SamplingParams(temperature=1.0)
     tau_chain = speculative_generate(target, chain, prompts, policy="rejection_chain", max_new_tokens=40,
                                      sampling=sampling, seed=0).metrics.tau
-    tree = as_tree(chain, 2 * BLOCK, top_k=2, depth=BLOCK)
+    tree = as_tree(chain, 2 * BLOCK, top_k=2, depth=BLOCK, accept=0.0)  # the top-k tree at T=1 too
     tau_tree = speculative_generate(target, tree, prompts, policy="multidraft_tree", max_new_tokens=40,
                                     sampling=sampling, seed=0).metrics.tau
     print(f"toy two-phrase DSpark tau: chain {tau_chain:.2f}, tree {tau_tree:.2f}")  # shown with -s
     assert tau_tree >= 1.1 * tau_chain, (tau_chain, tau_tree)  # measured: 5.89 -> 7.01
+
+
+class _WithReplacementQ(dspark.DSparkDrafter):
+    """A mutant: each sampled sibling claims plain q, though it was drawn without its earlier siblings."""
+
+    @staticmethod
+    def without_earlier_draws(q, earlier):
+        return q
+
+
+def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings():
+    """Above temperature 0 a DSpark tree is sampled: a fixed best-first shape (`trees.rank_prior_tree`), each
+    node's children drawn without replacement. Through the engine the joint law of 9 tokens at T=0.7 with top-k
+    and top-p equals the exact one (`assert_lossless`), from a reduced draft vocabulary (5 of 8 ids) whose top-k
+    cut leaves some rank-2 siblings nothing to draw (invalid). The negative control: the same tree whose
+    siblings carry plain q instead of q without the earlier draws is biased, and the check sees it."""
+    from specdec.testing import assert_biased, assert_lossless, distribution_target, sampled_joint
+    from tests.test_dflash import noisy
+
+    small = distribution_target()
+    task = dspark.make_task(small, num_layers=1, block_size=3, taps=[1], markov_rank=4, draft_vocab_size=5)
+    params, buffers = task.init(jax.random.PRNGKey(0), np.array([9, 1, 8, 2, 7, 3, 6, 5]))
+    params = noisy(params, 2, 0.3)
+    params["markov"]["w2"] = jnp.asarray(np.random.default_rng(3).standard_normal(params["markov"]["w2"].shape),
+                                         jnp.float32)
+    tree = dspark.DSparkDrafter.from_trained(task.arch, params, buffers, small, 6, tree_top_k=3, tree_depth=3,
+                                             tree_accept=0.5)
+    assert tree.sampled_shape.paths == ((0,), (1,), (0, 0), (2,), (0, 1), (1, 0))
+    hidden = jnp.asarray(np.random.default_rng(4).standard_normal((64, 3, small.cfg.hidden_size)), jnp.float32)
+    two = tree.sample_tree(tree.params, hidden, jnp.arange(64) % 8, SamplingParams(temperature=0.7, top_k=2),
+                           jax.random.PRNGKey(5))  # only 2 tokens to draw: the rank-2 child (node 3) is invalid
+    valid = np.asarray(two.valid)
+    assert valid[:, [0, 1, 2, 4, 5]].all() and not valid[:, 3].any()
+    tokens = np.asarray(two.tokens)
+    assert (tokens[:, 0] != tokens[:, 1]).all() and (tokens[:, 2] != tokens[:, 4]).all()  # without replacement
+    np.testing.assert_allclose(np.asarray(two.probs)[:, [0, 1, 2, 4, 5]].sum(-1), 1.0, rtol=1e-5)
+    counts, impossible, m = sampled_joint(small, tree, "multidraft_tree")
+    assert_lossless(counts, impossible, m)
+    mutant = _WithReplacementQ.from_trained(task.arch, params, buffers, small, 6, tree_top_k=3, tree_depth=3,
+                                            tree_accept=0.5)
+    assert_biased(*sampled_joint(small, mutant, "multidraft_tree")[:2])

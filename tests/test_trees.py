@@ -312,3 +312,24 @@ def test_import_order_has_no_cycle():
     """specdec.trees and specdec.verify import each other's modules; both entry points must work."""
     for module in ("specdec.trees", "specdec.verify"):
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True, timeout=120)
+
+
+def test_rank_prior_tree_golden_shapes_and_errors():
+    """The sampled trees' fixed shapes: best first under the rank prior accept * (1 - accept) ** rank, so siblings
+    come in draw order after their parent and a higher prior acceptance buys a deeper spine."""
+    from specdec.trees import rank_prior_tree
+
+    bushy = rank_prior_tree(7, 4, 3, accept=0.5)  # values .5, .25, .25, .125 x 4 (ties: shallower, then ranks)
+    assert bushy.paths == ((0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (0, 0, 0))
+    np.testing.assert_array_equal(bushy.parents, [-1, -1, 0, -1, 0, 1, 2])
+    deep = rank_prior_tree(7, 4, 4, accept=0.65)
+    assert deep.paths == ((0,), (0, 0), (0, 0, 0), (1,), (0, 0, 0, 0), (0, 1), (1, 0))
+    assert rank_prior_tree(4, 1, 4).paths == ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))  # one rank: the chain
+    with pytest.raises(ValueError, match="exceeds the 6 nodes"):
+        rank_prior_tree(7, 2, 2)
+    with pytest.raises(ValueError, match="must be in \\(0, 1\\)"):
+        rank_prior_tree(3, 2, 2, accept=1.0)
+    with pytest.raises(ValueError, match="comes before its prefix or a lower-ranked sibling"):
+        tree_from_paths([[1], [0]], keep_order=True)
+    with pytest.raises(ValueError, match="comes before its prefix"):
+        tree_from_paths([[0, 0], [0]], keep_order=True)
