@@ -599,11 +599,11 @@ class DFlashDrafter(Drafter):
         removed and renormalised, and that is the q it carries: multidraft_tree's recursive rejection test
         then stays exact (Sequoia's sampling without replacement; after a rejection the residual is already
         0 at the rejected token, so no draw is wasted on it). Where q has fewer than r + 1 tokens (top-k /
-        top-p), the rank-r child and its subtree are invalid. On the shipped DSpark at temperature 1 (7 nodes)
-        it measured mean engine tau 1.57 (accept 0.5; 0.65 at depth 4, a deeper spine: also 1.57) against the top-k tree's 1.48 and the
-        chain's 1.47; on tests/test_dspark.py's two-phrase language the top-k tree wins (7.01 against 6.18): its
-        shape follows a near-perfect drafter's scores into both phrases, a fixed shape cannot (docs/TRAINING.md,
-        session 32)."""
+        top-p), the rank-r child and its subtree are invalid. At temperature 1 with 7 nodes (the session-30
+        shipped DSpark) it measured mean engine tau 1.57 against the top-k tree's 1.48 and the chain's 1.47 (a
+        deeper spine, accept 0.65 at depth 4: also 1.57). On tests/test_dspark.py's two-phrase language the top-k
+        tree wins (7.01 against 6.18): its shape follows a near-perfect drafter's scores into both phrases, a fixed
+        shape cannot (docs/TRAINING.md, session 32)."""
         shape, d2t = self.sampled_shape, params.get("d2t")
         u = self.head_logits(params, hidden)  # [B, D, Vd]
         tokens, dists, valid = [None] * shape.num_nodes, [None] * shape.num_nodes, [None] * shape.num_nodes
