@@ -608,7 +608,6 @@ class DFlashDrafter(Drafter):
         u = self.head_logits(params, hidden)  # [B, D, Vd]
         tokens, dists, valid = [None] * shape.num_nodes, [None] * shape.num_nodes, [None] * shape.num_nodes
         keys = jax.random.split(key, shape.max_depth)
-        ones = jnp.ones(root.shape, bool)
         for d in range(1, shape.max_depth + 1):  # static loop over tree depth
             nodes = [i for i in range(shape.num_nodes) if shape.depth[i] == d]
             parents = sorted({int(shape.parents[i]) for i in nodes})  # -1: the root
@@ -619,10 +618,13 @@ class DFlashDrafter(Drafter):
             perturbed = jnp.where(q > 0, jnp.log(q) + jax.random.gumbel(keys[d - 1], q.shape), -jnp.inf)
             drawn_score, drawn = jax.lax.top_k(perturbed, ranks)  # [B, P, ranks]: the draws, in draw order
             for i in nodes:
-                j, r, parent = parents.index(int(shape.parents[i])), int(shape.rank[i]), int(shape.parents[i])
+                parent, r = int(shape.parents[i]), int(shape.rank[i])
+                j = parents.index(parent)
                 dists[i] = self.without_earlier_draws(q[:, j], drawn[:, j, :r])
                 tokens[i] = draft_to_target(drawn[:, j, r], d2t)
-                valid[i] = (drawn_score[:, j, r] > -jnp.inf) & (ones if parent < 0 else valid[parent])
+                valid[i] = drawn_score[:, j, r] > -jnp.inf  # q had a token left to draw
+                if parent >= 0:
+                    valid[i] = valid[i] & valid[parent]
         probs = draft_probs_to_target(jnp.stack(dists, axis=1), d2t, self.arch.cfg.vocab_size)
         return Draft.tree(jnp.stack(tokens, axis=1), shape.batched_parents(root.shape[0]), probs=probs,
                           valid=jnp.stack(valid, axis=1))
