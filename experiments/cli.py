@@ -252,13 +252,15 @@ def cmd_data(args) -> int:
     summary = build_distill_data(target, prompts, tc.data_dir, sampling=sampling, seed=cfg.sampling.seed,
                                  max_new_tokens=gen.max_new_tokens, batch_size=gen.batch_size,
                                  shard_size=tc.shard_size, chat_template=cfg.data.chat_template,
-                                 max_prompt_len=max_prompt, max_total_len=tc.seq_len,
-                                 progress=not args.no_progress)
+                                 max_prompt_len=max_prompt, max_total_len=tc.seq_len, insert_rows=gen.insert_rows,
+                                 max_seconds=cfg.data.max_seconds, progress=not args.no_progress)
     print("\ndistillation data:")
     print(_summary_lines(summary, ["data_dir", "prompts", "skipped_prompts", "examples", "prompt_tokens",
                                    "response_tokens", "teacher_forced_examples", "stopped_at_eos", "seconds",
                                    "generate_seconds", "generate_tokens_per_second", "batch_utilisation",
-                                   "decode_batch"]))
+                                   "decode_batch", "shards"]))
+    if not summary["complete"]:
+        print(f"  data.max_seconds={cfg.data.max_seconds} reached: rerun the same command to answer the rest")
     for source, counts in summary["sources"].items():
         print(f"    {source}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     from experiments.tracking import make_tracker
@@ -283,8 +285,8 @@ def data_artifact(data_dir) -> tuple[str, str, list[Path], dict]:
 
 # Config keys that may change when a training run is resumed (everything else must match the stored config):
 # the run's length and bookkeeping, and what only decoding / evaluation with the trained drafter reads.
-RESUMABLE_CHANGES = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
-                     "train.log_every", "tracking", "output", "description", "eval",
+RESUMABLE_CHANGES = ("train.steps", "train.max_seconds", "train.eval_every", "train.checkpoint_every",
+                     "train.keep_checkpoints", "train.log_every", "tracking", "output", "description", "eval",
                      "generation", "sampling", "data", "verify", "scheduler", "mesh", "drafter.num_draft_tokens",
                      "drafter.params", "drafter.path")
 

@@ -214,9 +214,12 @@ class GenerationConfig:
     max_new_tokens: int = 128
     batch_size: int = 1
     compiled_loop: bool = True  # one lax.while_loop over rounds (False: host-stepped, for debugging)
+    # `specdec data` only: decode rows refilled at a time by continuous batching (a host round trip per refill;
+    # raise it with batch_size on an accelerator, where a trip costs many decode steps)
+    insert_rows: int = 8
 
     def __post_init__(self):
-        _at_least(self, 1, "max_new_tokens", "batch_size")
+        _at_least(self, 1, "max_new_tokens", "batch_size", "insert_rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,9 +292,14 @@ def _id_range(item) -> set[str] | None:
 class DataConfig:
     datasets: tuple[DatasetConfig, ...] = (DatasetConfig("quickstart"),)
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template
+    # `specdec data`: stop answering after the shard that ends past this many seconds (None: no limit); the
+    # finished shards train like any others and rerunning the command goes on with the rest
+    max_seconds: float | None = None
 
     def __post_init__(self):
         _require(len(self.datasets) > 0, "datasets", "must list at least one dataset")
+        _require(self.max_seconds is None or self.max_seconds >= 0, "max_seconds",
+                 f"must be >= 0 seconds or null, got {self.max_seconds!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,8 +380,14 @@ class TrainConfig:
     # (seq_len is always the last bucket): the target's forward then runs on ~90% real tokens instead of padding.
     # Empty: every batch is padded to seq_len. Each length is one more compiled train step.
     length_buckets: tuple[int, ...] = ()
+    # Wall-clock budget of the loop in this call (None: none): at the first step past it the run ends as at its
+    # last step (saved, evaluated, calibrated; status "time_limit"), and rerunning continues towards `steps`.
+    # The learning-rate schedule still spans `steps`, so size `steps` to the budget where you can.
+    max_seconds: float | None = None
 
     def __post_init__(self):
+        _require(self.max_seconds is None or self.max_seconds >= 0, "max_seconds",
+                 f"must be >= 0 seconds or null, got {self.max_seconds!r}")
         _at_least(self, 1, "steps", "batch_size", "checkpoint_every", "keep_checkpoints", "eval_every", "seq_len",
                   "log_every", "shard_size")
         _require(all(0 < b < self.seq_len for b in self.length_buckets)

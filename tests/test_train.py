@@ -450,6 +450,22 @@ def test_interrupted_data_run_resumes_to_the_same_shards(eos_target, tmp_path, m
         D.build_distill_data(eos_target, prompts, tmp_path / "full", batch_size=6, insert_rows=2, **kwargs)
 
 
+def test_data_time_limit_stops_after_a_shard_and_the_rerun_finishes_the_same_data(eos_target, tmp_path):
+    """data.max_seconds: the call ends at the first shard written past the budget (here 0 s: the first one),
+    says it is incomplete, and a rerun without a limit ends with the shards of an uninterrupted run."""
+    prompts = [D.PromptRecord(id=f"p{i}", source="mix", tokens=p) for i, p in enumerate(MIXED_PROMPTS)]
+    kwargs = dict(sampling=SamplingParams(0.0), max_new_tokens=12, shard_size=3, batch_size=4, insert_rows=2,
+                  chat_template=False, progress=False, log=lambda _: None)
+    shards = -(-len(prompts) // 3)
+    cut = D.build_distill_data(eos_target, prompts, tmp_path / "cut", max_seconds=0.0, **kwargs)
+    assert cut["complete"] is False and cut["shards"] == f"1/{shards}" and cut["examples"] == 3
+    rest = D.build_distill_data(eos_target, prompts, tmp_path / "cut", **kwargs)
+    full = D.build_distill_data(eos_target, prompts, tmp_path / "full", **kwargs)
+    assert rest["complete"] and full["complete"] and rest["shards"] == f"{shards}/{shards}"
+    a, b = D.load_distill_data(tmp_path / "full"), D.load_distill_data(tmp_path / "cut")
+    assert a.ids == b.ids and all(np.array_equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Training end to end, and decoding with what was trained
 # ---------------------------------------------------------------------------------------------------------
@@ -536,6 +552,25 @@ def test_sigterm_saves_a_checkpoint_like_ctrl_c(work, data_dir, target):
     ckpt.export_params(run, final["params"], final["buffers"], 120)
     assert snapshot(run, work / "snap_newest")["step"] == 200
     assert ckpt.load_drafter(run)["step"] == 200  # also for `drafter.path=<run>`
+
+
+def test_time_limit_ends_the_call_like_its_last_step_and_the_rerun_goes_on(work, data_dir, target):
+    """train.max_seconds: the loop stops at the first step past the budget, saves it, evaluates and writes the
+    final weights (status "time_limit"); the same command again continues to train.steps."""
+    drafters.available()
+    cfg = load_config(CONFIG, overrides(work, data_dir, "medusa"))
+    tcfg = dataclasses.replace(cfg.train, steps=12, checkpoint_every=100, eval_every=100, max_seconds=0.0)
+    task = make_task("medusa", target, cfg.train.drafter_options)
+    data = D.load_distill_data(data_dir)
+    run = work / "runs" / "medusa_time_limit"
+    first = train(task, target, data, tcfg, run, progress=False, eval_draft_len=3, log=lambda s: None)
+    assert first["status"] == "time_limit" and first["steps"] == 1 and first["final_eval"] is not None
+    assert ckpt.CheckpointStore(run / "checkpoints").steps() == [1] and ckpt.load_drafter(run)["step"] == 1
+    second = train(task, target, data, dataclasses.replace(tcfg, max_seconds=None), run, progress=False,
+                   eval_draft_len=3, log=lambda s: None)
+    assert second["status"] == "complete" and second["resumed_from"] == 1 and second["steps"] == 12
+    with pytest.raises(ValueError, match="max_seconds: must be >= 0"):
+        load_config(CONFIG, ["train.max_seconds=-1"])
 
 
 def test_init_from_a_trained_drafter_starts_from_its_weights(work, data_dir, target):

@@ -300,8 +300,8 @@ def encode_response(target, record: PromptRecord, prompt_ids: list[int], chat_te
 def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | os.PathLike, *,
                        sampling: SamplingParams, seed: int = 0, max_new_tokens: int = 256, batch_size: int = 8,
                        shard_size: int = 64, chat_template: bool = True, max_prompt_len: int | None = None,
-                       max_total_len: int | None = None, insert_rows: int = 8, progress: bool = True,
-                       log: Callable[[str], None] = print) -> dict:
+                       max_total_len: int | None = None, insert_rows: int = 8, max_seconds: float | None = None,
+                       progress: bool = True, log: Callable[[str], None] = print) -> dict:
     """Store distillation examples for `prompts` under `out_dir` (resumable).
 
     A prompt with a given `response` is teacher-forced: its answer is tokenized (`encode_response`) and cut so
@@ -313,9 +313,10 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
     `insert_rows` prompts at a time as rows finish, streaming across shard boundaries; a shard is written as soon
     as its last row ends. Prompt g of the run (its index among the usable prompts) is sampled with its own key
     fold_in(PRNGKey(seed), g), so a response does not depend on which prompts shared its batch and a resumed
-    run produces exactly the shards a single run would. Returns the summary (prompts, examples, tokens,
-    per-source counts, time, generation throughput and batch utilisation), also written to
-    `<out>/summary.json`.
+    run produces exactly the shards a single run would. With `max_seconds` the call stops at the first shard
+    written after that many seconds (the rest is left for a rerun; `complete` is False). Returns the summary
+    (prompts, examples, tokens, per-source counts, time, generation throughput and batch utilisation), also
+    written to `<out>/summary.json`.
     """
     import datasets
 
@@ -427,11 +428,16 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
             bar.update(1)
             if waiting[s] == 0:
                 write_shard(s, rows.pop(s))
+                if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                    log(f"\nmax_seconds={max_seconds} reached after shard {s}: stopping; a rerun goes on with the rest")
+                    break
     bar.close()
 
     data = load_distill_data(out)
+    finished = sum(_shard_dir(out, i).is_dir() for i in range(num_shards))
     summary = {
         "data_dir": str(out), "prompts": len(encoded), "skipped_prompts": skipped, "examples": len(data),
+        "complete": finished == num_shards, "shards": f"{finished}/{num_shards}",
         "prompt_tokens": int(sum(data.prompt_lens)), "response_tokens": int(sum(m.sum() for m in data.loss_mask)),
         "teacher_forced_examples": int(sum(data.teacher_forced)),
         "stopped_at_eos": float(np.mean(data.stopped)) if len(data) else 0.0,

@@ -441,7 +441,8 @@ class Run:
 class LoopEnd:
     state: TrainState
     step: int
-    status: str  # "complete" or "interrupted" (Ctrl-C or SIGTERM: the step reached is saved)
+    status: str  # "complete", "time_limit" (train.max_seconds) or "interrupted" (Ctrl-C or SIGTERM: the step
+    # reached is saved)
     tokens_seen: int  # real (unpadded) tokens trained on in this call
 
 
@@ -459,7 +460,8 @@ def _loop(run: Run, state: TrainState, last_saved: int | None, terminated: list,
     """Train steps up to `train.steps`. After each: the train metrics averaged over the last `log_every` steps,
     a checkpoint every `checkpoint_every` steps and an evaluation every `eval_every` steps (the last step is
     always logged and saved; its evaluation is the caller's final one), then `hook`. A non-finite step raises
-    `TrainingDiverged`; Ctrl-C, or SIGTERM recorded in `terminated`, stops after the running step and saves it."""
+    `TrainingDiverged`; Ctrl-C, or SIGTERM recorded in `terminated`, stops after the running step and saves it;
+    so does `train.max_seconds` (status "time_limit")."""
     from tqdm.auto import tqdm
 
     cfg = run.cfg
@@ -499,6 +501,12 @@ def _loop(run: Run, state: TrainState, last_saved: int | None, terminated: list,
                 run.evaluate(state, step)
             if hook is not None:
                 hook(step, m)
+            if cfg.max_seconds is not None and step < cfg.steps and time.perf_counter() - t_loop >= cfg.max_seconds:
+                if last_saved != step:
+                    run.save(state, step)
+                run.log(f"\ntime limit: train.max_seconds={cfg.max_seconds} reached at step {step} of {cfg.steps}; "
+                        "rerun the same command to go on")
+                return LoopEnd(state, step, "time_limit", tokens_seen)
             if terminated:
                 run.log(f"\nSIGTERM received at step {step}")
                 raise KeyboardInterrupt
@@ -561,7 +569,7 @@ def train(task: TrainTask, target, data: DistillData, cfg, run_dir: str | Path, 
         t_loop = time.perf_counter()
         end = _loop(run, state, resumed_from, terminated, progress, hook)
         state = end.state
-        if end.status == "complete":
+        if end.status in ("complete", "time_limit"):  # a time limit ends the call like its last step
             final_eval = run.evaluate(state, end.step)
             state = run.calibrate(state)
         export = ckpt_lib.export_params(run_path, state.params, state.buffers, end.step)
