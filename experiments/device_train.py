@@ -546,7 +546,7 @@ def main(argv=None) -> int:
     d.add_argument("--carried", default=PACK_DIR, help="the folder holding the carried pack folders")
     d.add_argument("--stage", default="/tmp/specdec_device", help="staged parts, model cache, wheels, the drafter")
     d.add_argument("--budget", type=float, default=540, help="seconds for the whole call (timeout_s is 580)")
-    d.add_argument("--data-seconds", type=float, default=180, help="data.max_seconds")
+    d.add_argument("--data-seconds", type=float, default=150, help="data.max_seconds (answers only)")
     d.add_argument("--train-seconds", type=float, default=180, help="train.max_seconds (less if time ran short)")
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override for data and train")
     u = sub.add_parser("unpack", help="here: the drafter directory from the files the last call brought back")
