@@ -58,6 +58,10 @@ NAME = "dflash"
 # Above temperature 0 a block drafter's token tree is sampled (`DFlashDrafter.sample_tree`), its fixed shape drawn
 # up for this prior first-draw acceptance (`trees.rank_prior_tree`); 0: the top-k tree at every temperature
 TREE_ACCEPT = 0.5
+# How a tree is sampled above temperature 0: "fixed" = that shape (`sample_tree`); "dynamic" = the temperature-0
+# tree's growth with sampled children ranked by q at their parent (`sampled_children`)
+TREE_SAMPLINGS = ("fixed", "dynamic")
+TREE_SAMPLING = "fixed"
 MASK_TOKEN_NAME = "<empty_output>"  # SmolLM2: id 16, never produced in chat data
 LAYOUTS = ("specdec", "peer")
 
@@ -466,7 +470,7 @@ class DFlashDrafter(Drafter):
     has_confidence = True
 
     def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME, tree_top_k: int = 0,
-                 tree_depth: int = 0, tree_accept: float = TREE_ACCEPT):
+                 tree_depth: int = 0, tree_accept: float = TREE_ACCEPT, tree_sampling: str = TREE_SAMPLING):
         self.arch, self.num_draft_tokens, self.name = arch, int(num_draft_tokens), name
         self.taps = arch.taps
         # {"params": trained weights, "embed": target embedding, "head": [H, Vd], buffers (d2t: int32 [Vd])}
@@ -479,6 +483,10 @@ class DFlashDrafter(Drafter):
             trees.check_tree_budget(self.num_draft_tokens, self.top_k, self.depth)
             # tree_accept > 0: above temperature 0 the tree is sampled (`sample_tree`), of this fixed shape
             self.tree_accept = float(tree_accept)
+            if tree_sampling not in TREE_SAMPLINGS:
+                raise ValueError(f"{name}: tree_sampling must be one of {', '.join(TREE_SAMPLINGS)}, "
+                                 f"got {tree_sampling!r}")
+            self.tree_sampling = tree_sampling
             self.sampled_shape = trees.rank_prior_tree(self.num_draft_tokens, self.top_k, self.depth,
                                                        tree_accept) if tree_accept else None
             # instance attributes: a tree has no prefix survival per chain position for the schedulers; its
@@ -492,14 +500,14 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def from_trained(cls, arch, trained, buffers, target, num_draft_tokens, tree_top_k=0, tree_depth=0,
-                     tree_accept=TREE_ACCEPT):
+                     tree_accept=TREE_ACCEPT, tree_sampling=TREE_SAMPLING):
         buffers = {k: jnp.asarray(v) for k, v in (buffers or {}).items()}
         trained, head = jax.tree.map(jnp.asarray, trained), target.output_projection()
         if "d2t" in buffers:  # slice the vocabulary once here, not in every round
             head, trained = head[:, buffers["d2t"]], cls.restrict_vocab(trained, buffers["d2t"])
         params = {"params": trained, "embed": jnp.asarray(target.params["embed"]), "head": head, **buffers}
         return cls(arch, params, num_draft_tokens, tree_top_k=tree_top_k, tree_depth=tree_depth,
-                   tree_accept=tree_accept)
+                   tree_accept=tree_accept, tree_sampling=tree_sampling)
 
     @staticmethod
     def restrict_vocab(trained, d2t):
@@ -561,13 +569,15 @@ class DFlashDrafter(Drafter):
     def propose(self, params, state: BlockState, ctx: RoundContext, sampling, key):
         hidden, root = self.block(params, state, ctx)
         if self.kind == "tree":
+            if not sampling.greedy and self.tree_sampling == "dynamic":
+                return self.propose_tree(params, hidden, root, sampling, key), state
             if sampling.greedy or self.sampled_shape is None:
                 return self.propose_tree(params, hidden, root), state
             return self.sample_tree(params, hidden, root, sampling, key), state
         tokens, probs, conf = self.draw(params, hidden, root, sampling, key)
         return Draft.chain(tokens, probs=probs), dataclasses.replace(state, confidence=conf)
 
-    def propose_tree(self, params, hidden, root) -> Draft:
+    def propose_tree(self, params, hidden, root, sampling=None, key=None) -> Draft:
         """An EAGLE-2 dynamic tree (`specdec.trees.grow_dynamic_tree`) from ONE block forward: a node at depth d
         gets its children from slot d's logits (the block drafts every depth in parallel, so all nodes of a
         depth share them) through `next_logits` with the node's own token, which is where DSpark's Markov head
@@ -587,9 +597,36 @@ class DFlashDrafter(Drafter):
             return self.next_logits(params, u_front, front), None
 
         root_logits = self.next_logits(params, u[:, :1], root[:, None])[:, 0]
-        return trees.grow_dynamic_tree(root_logits, expand, k, self.depth, self.num_draft_tokens,
-                                       to_target=lambda ids: draft_to_target(ids, params.get("d2t")),
-                                       best_first=True)
+        draw = None if sampling is None else self.sampled_children(sampling, key)
+        draft = trees.grow_dynamic_tree(root_logits, expand, k, self.depth, self.num_draft_tokens,
+                                        to_target=lambda ids: draft_to_target(ids, params.get("d2t")),
+                                        best_first=True, draw=draw)
+        if draft.probs is None:
+            return draft
+        probs = draft_probs_to_target(draft.probs, params.get("d2t"), self.arch.cfg.vocab_size)
+        return dataclasses.replace(draft, probs=probs)
+
+    def sampled_children(self, sampling, key):
+        """`grow_dynamic_tree`'s `draw` for a SAMPLED dynamic tree: each expanded node's `top_k` children drawn
+        WITHOUT replacement from q (Gumbel top-k, in draw order), the rank-r child carrying q less its r earlier
+        siblings (as in `sample_tree`). Each child is ranked by the r-th largest q at its parent, not by what it
+        drew: then no node's existence depends on its own draw, its later siblings' or its subtree's (a child
+        scores at most its parent and its earlier siblings, ties going to the lower index), only on the draws
+        above it and beside it, and multidraft_tree's recursive rejection stays exact while the shape follows
+        q from row to row (a flat q gets siblings, a peaked one a deeper spine)."""
+        k = self.top_k
+
+        def draw(logits, level):
+            q = probabilities(logits, sampling)  # [B, n, Vd]
+            logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
+            ranked = jax.lax.top_k(logq, k)[0]  # the score of the rank-r child, whatever it drew
+            noise = jax.random.gumbel(jax.random.fold_in(key, level), q.shape)
+            drawn_score, ids = jax.lax.top_k(logq + noise, k)
+            valid = drawn_score > -jnp.inf  # q had a token left to draw
+            dists = jnp.stack([self.without_earlier_draws(q, ids[..., :r]) for r in range(k)], axis=-2)
+            return jnp.where(valid, ranked, -jnp.inf), ids, dists, valid
+
+        return draw
 
     def sample_tree(self, params, hidden, root, sampling, key) -> Draft:
         """A SAMPLED token tree (temperature > 0) from the same block forward: the fixed shape
@@ -631,9 +668,9 @@ class DFlashDrafter(Drafter):
 
     @staticmethod
     def without_earlier_draws(q: jax.Array, earlier: jax.Array) -> jax.Array:
-        """q [B, V] with the tokens `earlier` [B, r] already drawn removed and renormalised (zeros when nothing
-        is left): the distribution the next draw without replacement comes from."""
-        left = q * (1.0 - jnp.sum(jax.nn.one_hot(earlier, q.shape[-1], dtype=q.dtype), axis=1))
+        """q [..., V] with the tokens `earlier` [..., r] already drawn removed and renormalised (zeros when
+        nothing is left): the distribution the next draw without replacement comes from."""
+        left = q * (1.0 - jnp.sum(jax.nn.one_hot(earlier, q.shape[-1], dtype=q.dtype), axis=-2))
         total = jnp.sum(left, axis=-1, keepdims=True)
         return left / jnp.where(total > 0, total, 1.0)
 
@@ -663,6 +700,8 @@ class DFlashDrafter(Drafter):
             out.update(tree_top_k=self.top_k, tree_depth=self.depth)
             if self.sampled_shape is not None:
                 out.update(tree_accept=self.tree_accept)
+            if self.tree_sampling != TREE_SAMPLING:  # only then: a default tree's description is unchanged
+                out.update(tree_sampling=self.tree_sampling)
         if self.arch.layout != "specdec":  # only then: a default drafter's description (a cache key) is unchanged
             out["block_layout"] = self.arch.layout
         return out
@@ -679,7 +718,7 @@ def arch_from_checkpoint(target, config: dict) -> BlockArch:
 
 @register(NAME)
 def make_dflash(target, num_draft_tokens: int, path: str = "", tree_top_k: int = 0, tree_depth: int = 0,
-                tree_accept: float = TREE_ACCEPT):
+                tree_accept: float = TREE_ACCEPT, tree_sampling: str = TREE_SAMPLING):
     """A trained DFlash drafter: `path` = its training run directory (or an exported drafter directory).
     `tree_top_k` / `tree_depth` > 0: draft a token tree of `num_draft_tokens` nodes, at temperature 0 a dynamic
     one (`propose_tree`), above it a sampled one of fixed shape (`sample_tree`) drawn up for the prior first-draw
@@ -687,4 +726,4 @@ def make_dflash(target, num_draft_tokens: int, path: str = "", tree_top_k: int =
     info = load_trained(path, NAME, target, "dflash")
     arch = arch_from_checkpoint(target, info["config"])
     return DFlashDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,
-                                      tree_top_k, tree_depth, tree_accept)
+                                      tree_top_k, tree_depth, tree_accept, tree_sampling)

@@ -204,11 +204,12 @@ class DSparkDrafter(DFlashDrafter):
     """DFlash's block forward, then the slots sampled left to right through the Markov head."""
 
     def __init__(self, arch: BlockArch, params, num_draft_tokens: int, name: str = NAME, tree_top_k: int = 0,
-                 tree_depth: int = 0, tree_accept: float = dflash.TREE_ACCEPT):
+                 tree_depth: int = 0, tree_accept: float = dflash.TREE_ACCEPT,
+                 tree_sampling: str = dflash.TREE_SAMPLING):
         if arch.markov_rank < 1:
             raise ValueError("dspark needs a Markov head (markov_rank >= 1)")
         super().__init__(arch, params, num_draft_tokens, name=name, tree_top_k=tree_top_k, tree_depth=tree_depth,
-                         tree_accept=tree_accept)
+                         tree_accept=tree_accept, tree_sampling=tree_sampling)
 
     def next_logits(self, params, u, prev):
         return u + markov_bias(params["params"], prev)[0]  # W2 already restricted by `restrict_vocab`
@@ -245,7 +246,7 @@ class DSparkDrafter(DFlashDrafter):
 
 @register(NAME)
 def make_dspark(target, num_draft_tokens: int, path: str = "", tree_top_k: int = 0, tree_depth: int = 0,
-                tree_accept: float = dflash.TREE_ACCEPT):
+                tree_accept: float = dflash.TREE_ACCEPT, tree_sampling: str = dflash.TREE_SAMPLING):
     """A trained DSpark drafter: `path` = its training run directory (or an exported drafter directory).
     `tree_top_k` / `tree_depth` > 0: draft a token tree of `num_draft_tokens` nodes, the Markov head
     conditioning each node's children on its token (`DFlashDrafter.propose_tree` at temperature 0; above it
@@ -253,4 +254,4 @@ def make_dspark(target, num_draft_tokens: int, path: str = "", tree_top_k: int =
     info = load_trained(path, NAME, target, "dspark")
     arch = dflash.arch_from_checkpoint(target, info["config"])
     return DSparkDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,
-                                      tree_top_k, tree_depth, tree_accept)
+                                      tree_top_k, tree_depth, tree_accept, tree_sampling)

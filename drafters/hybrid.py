@@ -111,7 +111,8 @@ class HybridDrafter(Drafter):
 
 @register(NAME)
 def make(target, num_draft_tokens: int, path: str = str(SHIPPED_DRAFTER), min_match: int = 2,
-         max_ngram: int = 3, tree_top_k: int = 0, tree_depth: int = 0, tree_accept: float | None = None):
+         max_ngram: int = 3, tree_top_k: int = 0, tree_depth: int = 0, tree_accept: float | None = None,
+         tree_sampling: str | None = None):
     """`path`: a trained chain drafter's directory (the kind read from it; default: the shipped DSpark);
     `min_match`: the shortest lookup match (tokens) whose continuation is drafted instead of the model's (1, 2,
     3 and 4 gave mean engine tau 1.85, 1.88, 1.88 and 1.81 with session 25's shipped DSpark on MT-Bench / GSM8K
@@ -120,9 +121,12 @@ def make(target, num_draft_tokens: int, path: str = str(SHIPPED_DRAFTER), min_ma
     `max_ngram`: the lookup's longest n-gram (as the ngram drafter's);
     `tree_top_k` / `tree_depth`: the trained drafter drafts a token tree of `num_draft_tokens` nodes (block
     drafters; the rows that copy still take the lookup's chain), verified by the tree policies; `tree_accept`:
-    the prior that shapes the model's sampled trees above temperature 0 (None: the model's default; 0: top-k)."""
+    the prior that shapes the model's sampled trees above temperature 0 (None: the model's default; 0: top-k);
+    `tree_sampling`: "fixed" or "dynamic" (None: the model's default; `DFlashDrafter.sampled_children`)."""
     tree = {"tree_top_k": tree_top_k, "tree_depth": tree_depth} if tree_top_k or tree_depth else {}
     if tree_accept is not None:
         tree["tree_accept"] = tree_accept
+    if tree_sampling is not None:
+        tree["tree_sampling"] = tree_sampling
     model = create_drafter(None, target, num_draft_tokens, path=path, **tree)
     return HybridDrafter(model, NgramDrafter(num_draft_tokens, max_ngram=max_ngram), min_match)

@@ -67,11 +67,8 @@ class DeviceTrainError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------------
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    with open(path, "rb") as f:  # not registry.sha256_file: that module needs platformdirs, a carried wheel
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def split_file(path: Path, out_dir: Path, part_bytes: int, prefix: str | None = None) -> list[dict]:

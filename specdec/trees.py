@@ -279,7 +279,8 @@ def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array
 
 
 def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, depth: int, num_nodes: int,
-                      root_inputs: Any = None, to_target: Callable | None = None, best_first: bool = False) -> Draft:
+                      root_inputs: Any = None, to_target: Callable | None = None, best_first: bool = False,
+                      draw: Callable | None = None) -> Draft:
     """EAGLE-2's dynamic tree, grown from a drafter's logits at the root [B, V]: expand the `top_k` best nodes
     of each depth by their `top_k` most likely children for `depth` levels, then keep the `num_nodes`
     candidates with the highest cumulative draft log-probability (`select_dynamic_tree`).
@@ -293,27 +294,42 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
     draft-vocabulary ids to target ids (a reduced draft vocabulary). Candidates are top-k picks, not samples,
     so the draft is deterministic (probs=None): multidraft_tree verifies it losslessly at any temperature.
     `best_first`: the nodes in score order (`select_dynamic_tree`), so any prefix is the best smaller tree.
+
+    `draw(logits [B, n, V], level) -> (scores, ids, probs, valid)` replaces the top-k picks of every node's
+    children: ids [B, n, k] the children's tokens, scores [B, n, k] their log-probs for the ranking, probs
+    [B, n, k, V] the distribution each was drawn from (None: picks), valid [B, n, k] (None: all). Children
+    sampled without replacement (`DFlashDrafter.sample_tree`) make it a SAMPLED dynamic tree; it stays
+    lossless if each child's score does not depend on its own draw (see there).
     """
     k = top_k
     to_target = to_target or (lambda ids: ids)
-    front_score, front_ids = jax.lax.top_k(jax.nn.log_softmax(root_logits), k)  # the depth-1 frontier
+    if draw is None:  # every node's top-k tokens: picks, not samples
+        draw = lambda logits, level: (*jax.lax.top_k(jax.nn.log_softmax(logits), k), None, None)
+    front_score, front_ids, front_probs, front_valid = draw(root_logits[:, None], 0)  # the depth-1 frontier
+    front_score, front_ids = front_score[:, 0], front_ids[:, 0]
     front_tokens = to_target(front_ids)
     batch = front_tokens.shape[0]
     front_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
     at_root = jnp.full((batch, k), -1, jnp.int32)
     cand_tokens, cand_parents, cand_scores = [front_tokens], [at_root], [front_score]
+    cand_probs = None if front_probs is None else [front_probs[:, 0]]
+    cand_valid = None if front_valid is None else [front_valid[:, 0]]
     exp_tokens, exp_parents, exp_inputs = front_tokens, at_root, root_inputs
     offset = k
-    for _ in range(1, depth):  # static loop over tree depth
+    for level in range(1, depth):  # static loop over tree depth
         mask, node_depth = tree_attention(exp_parents)
         logits, outputs = expand(exp_tokens, node_depth[:, 1:], mask[:, 1:, 1:], exp_inputs)
         width = exp_tokens.shape[1]
-        child_score, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits), k)  # [B, k, k]
+        child_score, child_ids, child_probs, child_valid = draw(logits, level)  # [B, k, k]
         child_score = (front_score[:, :, None] + child_score).reshape(batch, k * k)
         child_tokens = to_target(child_ids).reshape(batch, k * k)
         cand_tokens.append(child_tokens)
         cand_parents.append(jnp.repeat(front_cand, k, axis=1))
         cand_scores.append(child_score)
+        if cand_probs is not None:
+            cand_probs.append(child_probs.reshape(batch, k * k, -1))
+        if cand_valid is not None:
+            cand_valid.append(child_valid.reshape(batch, k * k))
         front_score, pick = jax.lax.top_k(child_score, k)  # the next level expands the k best children
         front_cand = (offset + pick).astype(jnp.int32)
         parent = pick // k  # among the frontier just expanded
@@ -322,9 +338,11 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
         exp_inputs = jax.tree.map(lambda a, out: jnp.concatenate([a, jnp.take_along_axis(out, parent[..., None], 1)], 1),
                                   exp_inputs, outputs)
         offset += k * k
-    draft, _ = select_dynamic_tree(jnp.concatenate(cand_tokens, 1), jnp.concatenate(cand_parents, 1),
-                                   jnp.concatenate(cand_scores, 1), num_nodes, best_first=best_first)
+    cat = lambda parts: None if parts is None else jnp.concatenate(parts, 1)
+    draft, _ = select_dynamic_tree(cat(cand_tokens), cat(cand_parents), cat(cand_scores), num_nodes,
+                                   probs=cat(cand_probs), valid=cat(cand_valid), best_first=best_first)
     return draft
+
 
 
 # ----------------------------------------------------------------------------------------------------------

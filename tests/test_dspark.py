@@ -19,7 +19,7 @@ from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.models import transformer
 from specdec.models.config import tiny_config
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, probabilities
 from specdec.target import Target, random_target
 from specdec.train.data import DistillData
 from specdec.train.loop import train
@@ -365,6 +365,69 @@ def test_tree_settings_are_checked():
         as_tree(chain, 3, top_k=2, depth=1)
 
 
+def sampled_tree_drafters():
+    """The sampled-tree losslessness tests' target (`distribution_target`) and a maker of 6-node DSpark trees
+    (top_k 3, depth 3) of one noisy set of weights: a reduced 5-id draft vocabulary and a random Markov head."""
+    from specdec.testing import distribution_target
+    from tests.test_dflash import noisy
+
+    small = distribution_target()
+    task = dspark.make_task(small, num_layers=1, block_size=3, taps=[1], markov_rank=4, draft_vocab_size=5)
+    params, buffers = task.init(jax.random.PRNGKey(0), np.array([9, 1, 8, 2, 7, 3, 6, 5]))
+    params = noisy(params, 2, 0.3)
+    params["markov"]["w2"] = jnp.asarray(np.random.default_rng(3).standard_normal(params["markov"]["w2"].shape),
+                                         jnp.float32)
+
+    def make(cls, **tree):
+        return cls.from_trained(task.arch, params, buffers, small, 6, tree_top_k=3, tree_depth=3, **tree)
+
+    return small, make
+
+
+class _RankedByItsDraw(dspark.DSparkDrafter):
+    """A mutant of the dynamic sampled tree: each child ranked by the q of the token it DREW, so whether a node
+    exists depends on its own draw (a likely draw survives the cut, an unlikely one is dropped)."""
+
+    def sampled_children(self, sampling, key):
+        honest = super().sampled_children(sampling, key)
+
+        def draw(logits, level):
+            scores, ids, dists, valid = honest(logits, level)
+            q = probabilities(logits, sampling)
+            own = jnp.log(jnp.maximum(jnp.take_along_axis(q, ids, axis=-1), 1e-30))
+            return jnp.where(valid, own, -jnp.inf), ids, dists, valid
+
+        return draw
+
+
+def test_dynamic_sampled_tree_is_lossless_and_ranking_by_the_draw_is_not():
+    """tree_sampling="dynamic": the temperature-0 tree's growth (expand the best nodes, keep the best N) with
+    children drawn without replacement and ranked by the sorted q at their parent, so the shape adapts to q
+    row by row yet no node's existence depends on its own draw. Through the engine the joint law of 9 tokens at
+    T=0.7 with top-k / top-p equals the exact one; the mutant that ranks each child by the q of what it drew is
+    biased and the check sees it; a top-k = 2 cut leaves no valid rank-2 child."""
+    from specdec.testing import assert_biased, assert_lossless, sampled_joint
+
+    small, make = sampled_tree_drafters()
+    make = functools.partial(make, tree_sampling="dynamic")
+    tree = make(dspark.DSparkDrafter)
+    assert tree.describe()["tree_sampling"] == "dynamic"
+    hidden = jnp.asarray(np.random.default_rng(4).standard_normal((64, 3, small.cfg.hidden_size)), jnp.float32)
+    two = tree.propose_tree(tree.params, hidden, jnp.arange(64) % 8, SamplingParams(temperature=0.7, top_k=2),
+                            jax.random.PRNGKey(5))
+    valid, parents, tokens = (np.asarray(x) for x in (two.valid, two.parents, two.tokens))
+    assert valid.all(axis=1).any() and (parents < np.arange(6)).all()  # topological, rows of 6 valid nodes
+    for row in range(64):  # siblings never repeat a token, and no node has a third (rank-2) child
+        kids = [[i for i in range(6) if parents[row, i] == p and valid[row, i]] for p in range(-1, 6)]
+        assert all(len(k) <= 2 and len(set(tokens[row, k])) == len(k) for k in kids), row
+    np.testing.assert_allclose(np.asarray(two.probs)[valid].sum(-1), 1.0, rtol=1e-5)
+    counts, impossible, m = sampled_joint(small, tree, "multidraft_tree")
+    assert_lossless(counts, impossible, m)
+    assert_biased(*sampled_joint(small, make(_RankedByItsDraw), "multidraft_tree")[:2])
+    with pytest.raises(ValueError, match="tree_sampling must be one of fixed, dynamic"):
+        make(dspark.DSparkDrafter, tree_sampling="adaptive")
+
+
 def test_toy_two_phrases_tree_covers_both_phrases(toy_runs):
     """At temperature 1 the chain bets on one of the two phrases after a marker; a tree of top_k=2 drafts both
     (the Markov head keeps each branch on its phrase), so multidraft_tree accepts more per round. This is the
@@ -397,17 +460,10 @@ def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings():
     and top-p equals the exact one (`assert_lossless`), from a reduced draft vocabulary (5 of 8 ids) whose top-k
     cut leaves some rank-2 siblings nothing to draw (invalid). The negative control: the same tree whose
     siblings carry plain q instead of q without the earlier draws is biased, and the check sees it."""
-    from specdec.testing import assert_biased, assert_lossless, distribution_target, sampled_joint
-    from tests.test_dflash import noisy
+    from specdec.testing import assert_biased, assert_lossless, sampled_joint
 
-    small = distribution_target()
-    task = dspark.make_task(small, num_layers=1, block_size=3, taps=[1], markov_rank=4, draft_vocab_size=5)
-    params, buffers = task.init(jax.random.PRNGKey(0), np.array([9, 1, 8, 2, 7, 3, 6, 5]))
-    params = noisy(params, 2, 0.3)
-    params["markov"]["w2"] = jnp.asarray(np.random.default_rng(3).standard_normal(params["markov"]["w2"].shape),
-                                         jnp.float32)
-    tree = dspark.DSparkDrafter.from_trained(task.arch, params, buffers, small, 6, tree_top_k=3, tree_depth=3,
-                                             tree_accept=0.5)
+    small, make = sampled_tree_drafters()
+    tree = make(dspark.DSparkDrafter, tree_accept=0.5)
     assert tree.sampled_shape.paths == ((0,), (1,), (0, 0), (2,), (0, 1), (1, 0))
     hidden = jnp.asarray(np.random.default_rng(4).standard_normal((64, 3, small.cfg.hidden_size)), jnp.float32)
     two = tree.sample_tree(tree.params, hidden, jnp.arange(64) % 8, SamplingParams(temperature=0.7, top_k=2),
@@ -419,6 +475,5 @@ def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings():
     np.testing.assert_allclose(np.asarray(two.probs)[:, [0, 1, 2, 4, 5]].sum(-1), 1.0, rtol=1e-5)
     counts, impossible, m = sampled_joint(small, tree, "multidraft_tree")
     assert_lossless(counts, impossible, m)
-    mutant = _WithReplacementQ.from_trained(task.arch, params, buffers, small, 6, tree_top_k=3, tree_depth=3,
-                                            tree_accept=0.5)
+    mutant = make(_WithReplacementQ, tree_accept=0.5)
     assert_biased(*sampled_joint(small, mutant, "multidraft_tree")[:2])
