@@ -584,9 +584,10 @@ class DFlashDrafter(Drafter):
         makes siblings' subtrees differ. No extra network call per level: a tree costs the chain's block
         forward plus `top_k` head evaluations per level. Candidates are top-k picks, so the draft is
         deterministic (probs=None) and `greedy_tree` / `multidraft_tree` verify it losslessly. Used at
-        temperature 0 (above it `sample_tree`, unless `tree_accept` is 0: then this tree, whose node accepts only
-        the target's mass on its top-k picks). The nodes come
-        best first (highest cumulative draft log-prob): the adaptive verify width may cut the tree anywhere."""
+        temperature 0; above it `sample_tree` (fixed shape), or with `tree_sampling: dynamic` this growth with
+        sampled children (`sampling`, `key`: `sampled_children`), or with `tree_accept: 0` these picks (whose
+        node accepts only the target's mass on its top-k picks). The nodes come best first (highest cumulative
+        draft log-prob): the adaptive verify width may cut the tree anywhere."""
         k = self.top_k
         u = self.head_logits(params, hidden)  # [B, D, Vd]: the logits of every depth, before any previous token
 
@@ -639,8 +640,9 @@ class DFlashDrafter(Drafter):
         top-p), the rank-r child and its subtree are invalid. At temperature 1 with 7 nodes (the session-30
         shipped DSpark) it measured mean engine tau 1.57 against the top-k tree's 1.48 and the chain's 1.47 (a
         deeper spine, accept 0.65 at depth 4: also 1.57). On tests/test_dspark.py's two-phrase language the top-k
-        tree wins (7.01 against 6.18): its shape follows a near-perfect drafter's scores into both phrases, a fixed
-        shape cannot (docs/TRAINING.md, session 32)."""
+        tree wins (6.99 against this shape's 4.70 and the dynamic sampled tree's 6.10: `python -m
+        benchmarks.toy_tree_sampling`): a shape that follows the scores reaches into both phrases, a fixed one
+        cannot (docs/TRAINING.md, sessions 32-33)."""
         shape, d2t = self.sampled_shape, params.get("d2t")
         u = self.head_logits(params, hidden)  # [B, D, Vd]
         tokens, dists, valid = [None] * shape.num_nodes, [None] * shape.num_nodes, [None] * shape.num_nodes
