@@ -619,10 +619,8 @@ class DFlashDrafter(Drafter):
 
         def draw(logits, level):
             q = probabilities(logits, sampling)  # [B, n, Vd]
-            logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
+            logq, drawn_score, ids = self.draw_without_replacement(q, k, jax.random.fold_in(key, level))
             ranked = jax.lax.top_k(logq, k)[0]  # the score of the rank-r child, whatever it drew
-            noise = jax.random.gumbel(jax.random.fold_in(key, level), q.shape)
-            drawn_score, ids = jax.lax.top_k(logq + noise, k)
             valid = drawn_score > -jnp.inf  # q had a token left to draw
             dists = jnp.stack([self.without_earlier_draws(q, ids[..., :r]) for r in range(k)], axis=-2)
             return jnp.where(valid, ranked, -jnp.inf), ids, dists, valid
@@ -654,8 +652,7 @@ class DFlashDrafter(Drafter):
             u_d = jnp.broadcast_to(u[:, d - 1:d], (u.shape[0], len(parents), u.shape[-1]))
             q = probabilities(self.next_logits(params, u_d, prev), sampling)  # [B, P, Vd]
             ranks = int(shape.rank[nodes].max()) + 1
-            perturbed = jnp.where(q > 0, jnp.log(q) + jax.random.gumbel(keys[d - 1], q.shape), -jnp.inf)
-            drawn_score, drawn = jax.lax.top_k(perturbed, ranks)  # [B, P, ranks]: the draws, in draw order
+            _, drawn_score, drawn = self.draw_without_replacement(q, ranks, keys[d - 1])  # [B, P, ranks]
             for i in nodes:
                 parent, r = int(shape.parents[i]), int(shape.rank[i])
                 j = parents.index(parent)
@@ -667,6 +664,14 @@ class DFlashDrafter(Drafter):
         probs = draft_probs_to_target(jnp.stack(dists, axis=1), d2t, self.arch.cfg.vocab_size)
         return Draft.tree(jnp.stack(tokens, axis=1), shape.batched_parents(root.shape[0]), probs=probs,
                           valid=jnp.stack(valid, axis=1))
+
+    @staticmethod
+    def draw_without_replacement(q: jax.Array, k: int, key) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`k` tokens drawn without replacement from q [..., V] by the Gumbel-top-k trick, in draw order:
+        (log q, the draws' perturbed scores [..., k] (-inf: q had no token left to draw), their ids [..., k])."""
+        logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
+        scores, ids = jax.lax.top_k(logq + jax.random.gumbel(key, q.shape), k)
+        return logq, scores, ids
 
     @staticmethod
     def without_earlier_draws(q: jax.Array, earlier: jax.Array) -> jax.Array:
@@ -724,7 +729,8 @@ def make_dflash(target, num_draft_tokens: int, path: str = "", tree_top_k: int =
     """A trained DFlash drafter: `path` = its training run directory (or an exported drafter directory).
     `tree_top_k` / `tree_depth` > 0: draft a token tree of `num_draft_tokens` nodes, at temperature 0 a dynamic
     one (`propose_tree`), above it a sampled one of fixed shape (`sample_tree`) drawn up for the prior first-draw
-    acceptance `tree_accept` (0: the top-k tree at every temperature)."""
+    acceptance `tree_accept` (0: the top-k tree at every temperature), or with `tree_sampling: dynamic` grown
+    like the temperature-0 tree from sampled children (`sampled_children`)."""
     info = load_trained(path, NAME, target, "dflash")
     arch = arch_from_checkpoint(target, info["config"])
     return DFlashDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,

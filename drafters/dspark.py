@@ -250,7 +250,8 @@ def make_dspark(target, num_draft_tokens: int, path: str = "", tree_top_k: int =
     """A trained DSpark drafter: `path` = its training run directory (or an exported drafter directory).
     `tree_top_k` / `tree_depth` > 0: draft a token tree of `num_draft_tokens` nodes, the Markov head
     conditioning each node's children on its token (`DFlashDrafter.propose_tree` at temperature 0; above it
-    sampled, `DFlashDrafter.sample_tree`, unless `tree_accept` is 0)."""
+    sampled, `DFlashDrafter.sample_tree`, unless `tree_accept` is 0; `tree_sampling: dynamic`:
+    `DFlashDrafter.sampled_children`)."""
     info = load_trained(path, NAME, target, "dspark")
     arch = dflash.arch_from_checkpoint(target, info["config"])
     return DSparkDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,

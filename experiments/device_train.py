@@ -77,11 +77,11 @@ def split_file(path: Path, out_dir: Path, part_bytes: int, prefix: str | None = 
     prefix = prefix or path.name
     parts = []
     with open(path, "rb") as f:
-        for i in range(10**3):
+        while True:
             block = f.read(part_bytes)
-            if not block and i:
+            if parts and not block:  # the file ended with a full part (an empty file still gets one part)
                 break
-            part = out_dir / f"{prefix}.{i:03d}"
+            part = out_dir / f"{prefix}.{len(parts):03d}"
             part.write_bytes(block)
             parts.append({"name": part.name, "bytes": len(block), "sha256": hashlib.sha256(block).hexdigest()})
             if len(block) < part_bytes:
@@ -382,9 +382,8 @@ def device(args) -> int:
                                    *map(str, wheels)], capture_output=True, text=True)
             if done.returncode != 0:
                 raise DeviceTrainError(f"installing the carried wheels failed:\n{done.stderr[-2000:]}")
-            env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        else:
-            env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        paths = ([str(site)] if wheels else []) + [str(REPO), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
         gguf = assemble_model(plan, stage, stage / "cache")
         manifest["reached"] = "model assembled"
         log(f"[device_train] {gguf} assembled and checked ({time.monotonic() - t0:.0f} s)")
@@ -395,12 +394,13 @@ def device(args) -> int:
 
         cli = [sys.executable, "-m", "experiments.cli"]
         sets = list(args.set or [])
+        data_dir, output_dir, output_name = _settings(config, sets, env, "train.data_dir", "output.dir",
+                                                      "output.name")
         t_data = time.monotonic()
         data_env = {**env, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}  # the target's own answers, as on the CPU
         rc = Job([*cli, "data", config, f"data.max_seconds={args.data_seconds}", *sets, "--no-progress"], data_env,
                  log, min(deadline - args.train_seconds - 60, t_data + args.data_seconds + 240)).run()
         manifest["data_wall_seconds"] = round(time.monotonic() - t_data, 1)
-        data_dir = _resolved(config, sets, "train.data_dir", env)
         summary = Path(data_dir) / "summary.json"
         if summary.is_file():
             manifest["data"] = json.loads(summary.read_text())
@@ -414,7 +414,7 @@ def device(args) -> int:
         rc = Job([*cli, "train", config, f"train.max_seconds={train_seconds}", *sets, "--no-progress"], env, log,
                  t_train + left).run()
         manifest["train_wall_seconds"] = round(time.monotonic() - t_train, 1)
-        run_dir = Path(_resolved(config, sets, "output.dir", env)) / _resolved(config, sets, "output.name", env)
+        run_dir = Path(output_dir) / output_name
         if (run_dir / "summary.json").is_file():
             train_summary = json.loads((run_dir / "summary.json").read_text())
             manifest["train"] = {k: v for k, v in train_summary.items() if k != "eval_history"}
@@ -448,16 +448,17 @@ def device(args) -> int:
         print(f"[device_train] results in {out}: {sorted(p.name for p in out.iterdir())}", flush=True)
 
 
-def _resolved(config: str, sets: list[str], key: str, env: dict) -> str:
-    """A setting of the config (after the --set overrides), read in a child process with the wheels' path
-    (`env`): this process started before they were installed."""
-    code = ("import sys; from specdec.config import load_config, to_dict; c = to_dict(load_config(sys.argv[1], "
-            "sys.argv[3:])); s, k = sys.argv[2].split('.'); print(c[s][k])")
-    done = subprocess.run([sys.executable, "-c", code, config, key, *sets], capture_output=True, text=True,
-                          cwd=REPO, env=env)
+def _settings(config: str, sets: list[str], env: dict, *keys: str) -> list[str]:
+    """Settings ("section.key") of the config after the --set overrides, read in one child process with the
+    wheels' path (`env`): this process started before they were installed."""
+    code = ("import json, sys; from specdec.config import load_config, to_dict; "
+            "c = to_dict(load_config(sys.argv[1], sys.argv[3:])); "
+            "print(json.dumps([c[s][k] for s, k in (key.split('.') for key in json.loads(sys.argv[2]))]))")
+    done = subprocess.run([sys.executable, "-c", code, config, json.dumps(keys), *sets], capture_output=True,
+                          text=True, cwd=REPO, env=env)
     if done.returncode != 0:
-        raise DeviceTrainError(f"cannot read {key} of {config}: {done.stderr[-500:]}")
-    return done.stdout.strip()
+        raise DeviceTrainError(f"cannot read {', '.join(keys)} of {config}: {done.stderr[-500:]}")
+    return [str(v) for v in json.loads(done.stdout)]
 
 
 # ---------------------------------------------------------------------------------------------------------

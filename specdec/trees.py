@@ -298,8 +298,8 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
     `draw(logits [B, n, V], level) -> (scores, ids, probs, valid)` replaces the top-k picks of every node's
     children: ids [B, n, k] the children's tokens, scores [B, n, k] their log-probs for the ranking, probs
     [B, n, k, V] the distribution each was drawn from (None: picks), valid [B, n, k] (None: all). Children
-    sampled without replacement (`DFlashDrafter.sample_tree`) make it a SAMPLED dynamic tree; it stays
-    lossless if each child's score does not depend on its own draw (see there).
+    sampled without replacement (`DFlashDrafter.sampled_children`) make it a SAMPLED dynamic tree; it
+    stays lossless if each child's score does not depend on its own draw (see there).
     """
     k = top_k
     to_target = to_target or (lambda ids: ids)
@@ -342,7 +342,6 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
     draft, _ = select_dynamic_tree(cat(cand_tokens), cat(cand_parents), cat(cand_scores), num_nodes,
                                    probs=cat(cand_probs), valid=cat(cand_valid), best_first=best_first)
     return draft
-
 
 
 # ----------------------------------------------------------------------------------------------------------
