@@ -4,15 +4,16 @@
   run compares every prompt that has both outputs (at least `eval.lossless_check.samples`; when the AR
   baseline is off, AR is run on that many prompts just for the check).
 - Sampling (temperature > 0): outputs differ run to run, so the check is statistical. For each of a few
-  prompts, the prompt is replicated across a batch of `rows` rows and the first `prefix` (3) new tokens are
-  drawn `rows` times by AR and by speculative decoding (independent seeds). Token 0 comes from the prefill in
-  both; for each later position j (1, 2: produced by the first speculative rounds) the two empirical
-  distributions of the token at j are compared with a two-sample chi-square test of homogeneity (tokens
-  whose combined count is below 10, i.e. expected count below 5, are pooled into one cell). The check fails
-  when any test's p-value is below alpha / number of tests (Bonferroni; alpha = 1e-3, so a correct engine
-  fails about one run in a thousand). Power: it detects probability mass moved between likely tokens; with
-  few rows and high-entropy outputs most tokens pool into one cell and the test is weak (each test reports
-  its `cells`). The exact distributional tests of every policy live in tests/test_lossless_policies.py.
+  prompts, the prompt is replicated across batches of up to 32 rows and the first `prefix` (3) new tokens are
+  drawn `rows` times by AR and by speculative decoding (independent seeds; each batch prefills the prompt
+  once). Token 0 comes from the prefill in both; for each later position j (1, 2: produced by the first
+  speculative rounds) the two empirical distributions of the token at j are compared with a two-sample
+  chi-square test of homogeneity (tokens whose combined count is below 10, i.e. expected count below 5, are
+  pooled into one cell). The check fails when any test's p-value is below alpha / number of tests
+  (Bonferroni; alpha = 1e-3, so a correct engine fails about one run in a thousand). Power: it detects
+  probability mass moved between likely tokens; with few rows and high-entropy outputs most tokens pool into
+  one cell and the test is weak (each test reports its `cells`). The exact distributional tests of every
+  policy live in tests/test_lossless_policies.py.
 - Lossy policies (typical acceptance) skip the check, labelled as such.
 
 A failed check raises `LosslessError` (after the run has recorded the result in its summary).
@@ -27,6 +28,9 @@ from typing import Any, Hashable, Sequence
 DEFAULT_ALPHA = 1e-3
 DEFAULT_ROWS = 128
 DEFAULT_PREFIX = 3  # the prefill token + two tokens produced by speculative rounds
+# Rows are drawn this many at a time: the check's peak memory is that of a batch of 32 (at 128 rows in one batch,
+# SmolLM2's KV caches, verify logits and a DSpark's context features took ~6.5 GB on top of the run's 2 GB).
+CHUNK_ROWS = 32
 
 
 class LosslessError(AssertionError):
@@ -144,12 +148,16 @@ def check_sampled(target, drafter, prompts: dict[str, Sequence[int]], *, policy,
     from specdec.generate import generate
 
     tests = []
+    chunks = -(-rows // CHUNK_ROWS)
     for i, (key, ids) in enumerate(prompts.items()):
-        batch = [list(ids)] * rows
-        ar = generate(target, batch, prefix, sampling, seed=seed + 2 * i, max_seq_len=max_seq_len).tokens
-        spec = speculative_generate(target, drafter, batch, policy=policy, max_new_tokens=prefix, sampling=sampling,
-                                    seed=seed + 2 * i + 1, max_seq_len=max_seq_len, scheduler=scheduler,
-                                    verify_buckets=verify_buckets).tokens
+        ar, spec = [], []
+        for c in range(chunks):  # AR seeds even, speculative seeds odd: every chunk draws afresh
+            batch = [list(ids)] * min(CHUNK_ROWS, rows - c * CHUNK_ROWS)
+            n = i * chunks + c
+            ar += generate(target, batch, prefix, sampling, seed=seed + 2 * n, max_seq_len=max_seq_len).tokens
+            spec += speculative_generate(target, drafter, batch, policy=policy, max_new_tokens=prefix,
+                                         sampling=sampling, seed=seed + 2 * n + 1, max_seq_len=max_seq_len,
+                                         scheduler=scheduler, verify_buckets=verify_buckets).tokens
         for j in range(1, prefix):  # position 0 comes from the prefill in both: not speculative
             result = two_sample_chi2([_at(t, j) for t in ar], [_at(t, j) for t in spec])
             tests.append({"key": key, "position": j, "rows": rows, **result})

@@ -26,7 +26,7 @@ import numpy as np
 from specdec import trees
 from specdec.adaptive import AdaptiveWidth, cost_key, load_or_measure_round_costs, measure_round_costs
 from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, VerifyResult
-from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill
+from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill_distinct
 from specdec.metrics import DecodeMetrics
 from specdec.models import transformer
 from specdec.models.transformer import KVCache
@@ -604,9 +604,9 @@ def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, toke
           limit, seed: int, sched_state=None) -> LoopState:
     """Prefill the padded prompts into `cache`, sample each row's first token, initialise the drafter: the
     state the loop starts from."""
+    logits, taps, cache = prefill_distinct(target.params, cache, tokens, lengths, forward=target.forward,
+                                           cfg=target.cfg, taps=drafter.taps)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    logits, taps, cache = prefill(target.params, cache, tokens, lengths, forward=target.forward, cfg=target.cfg,
-                                  taps=drafter.taps)
     first, state = _initial_state(spec, tokens, lengths, logits, cache, jax.random.PRNGKey(seed), limit,
                                   capacity=capacity)
     prompt = PromptInfo(tokens=tokens, lengths=lengths, taps=taps, first_token=first)

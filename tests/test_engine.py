@@ -439,3 +439,28 @@ def test_bucketed_verify_keeps_the_cache_out_of_the_switch(backend):
             if (m := re.search(r"= \w+\[([\d,]+)\]\S* copy\(", line))
             and sorted(d for d in map(int, m.group(1).split(",")) if d > 1)[-len(dims):] == dims]
     assert not hits, hits[:3]
+
+
+@pytest.mark.parametrize("backend", ["reference", "scan"])
+def test_prefill_runs_each_distinct_prompt_once(backend, monkeypatch):
+    """Rows repeating a prompt (n samples of one prompt; the sampled lossless check's 128 copies) copy the K/V,
+    logits and taps of one prefilled row; a prompt that differs only by a trailing pad token is its own row."""
+    from specdec import generate as gen
+    from specdec.generate import pad_prompts, prefill, prefill_distinct
+
+    target = random_target(tiny_config(), backend=backend)
+    a, b = [5, 9, 17, 3], [7, 7, 2]
+    prompts = [a, b, a, a, b + [0], b]  # pad id 0: b + [0] pads like b but is one token longer
+    tokens, lengths = pad_prompts(prompts, 0)
+    capacity, taps = 48, (1, 2)
+    batches = []
+    inner = gen.prefill
+    monkeypatch.setattr(gen, "prefill", lambda *args, **kw: batches.append(args[2].shape[0]) or inner(*args, **kw))
+    got = prefill_distinct(target.params, target.init_cache(len(prompts), capacity), tokens, lengths,
+                           forward=target.forward, cfg=target.cfg, taps=taps)
+    want = prefill(target.params, target.init_cache(len(prompts), capacity), jnp.asarray(tokens),
+                   jnp.asarray(lengths), forward=target.forward, cfg=target.cfg, taps=taps)
+    assert batches == [3]  # a, b and b + [0]
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[2].lengths), [4, 3, 4, 4, 4, 3])

@@ -210,16 +210,20 @@ def test_sampled_check_flags_a_shifted_distribution(monkeypatch):
     def fake(weights):
         def decode(*args, seed=0, **kwargs):  # (target, batch, ...) or (target, drafter, batch, ...)
             batch = next(a for a in args if isinstance(a, list))
+            batches.append(len(batch))
             rng = random.Random(seed)
             rows = [[7] + rng.choices(range(5), weights=weights, k=2) for _ in batch]
             return types.SimpleNamespace(tokens=rows)
         return decode
 
+    batches = []
     monkeypatch.setattr(specdec.generate, "generate", fake([5, 3, 1, 1, 0.5]))
     monkeypatch.setattr(specdec.engine, "speculative_generate", fake([5, 3, 1, 1, 0.5]))
     ok = check_sampled(None, None, {"p": [1, 2], "q": [3]}, policy="rejection_chain", sampling=None, rows=400)
     assert ok.passed and ok.kind == "sampled" and ok.prompts_checked == 2 and len(ok.tests) == 4
     assert all(t["cells"] == 5 for t in ok.tests) and "consistent with" in ok.describe()
+    # 400 rows per prompt and decoder, drawn in batches of at most 32 (the check's memory is a 32-row batch's)
+    assert all(t["n_ar"] == t["n_spec"] == 400 for t in ok.tests) and max(batches) == 32 and sum(batches) == 1600
     monkeypatch.setattr(specdec.engine, "speculative_generate", fake([1, 1, 1, 3, 5]))
     bad = check_sampled(None, None, {"p": [1, 2]}, policy="rejection_chain", sampling=None, rows=400)
     assert bad.passed is False and "DIFFERS" in bad.describe()
@@ -260,8 +264,11 @@ def test_cli_run_and_bad_input(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------ sweep
 
 
-def test_tiny_sweep_end_to_end_and_resume(tmp_path):
-    trackers = []
+def test_tiny_sweep_end_to_end_and_resume(tmp_path, monkeypatch):
+    import experiments.sweep
+
+    trackers, released = [], []
+    monkeypatch.setattr(experiments.sweep, "release_memory", lambda: released.append(len(trackers)))
 
     def factory(name, cfg):
         trackers.append(MemoryTracker(name, cfg.tracking.group))
@@ -283,6 +290,7 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path):
     s2 = report["summaries"][names[1]]
     assert s2["baseline_source"] == names[0]  # AR measured once, shared by the second run
     assert s2["num_draft_tokens"] == 4 and report["summaries"][names[0]]["num_draft_tokens"] == 2
+    assert released == [1, 2]  # after each run, once its tracker finished (the sweep process must not grow)
 
     said = []
     run_sweep(TINY_SWEEP, [f"output.dir={tmp_path}"], progress=False, tracker_factory=factory, echo=said.append,

@@ -221,7 +221,8 @@ def check_speculative(work):
 
     cfg = tiny_config(**TP_CFG)
     plain = random_target(cfg, seed=0, backend="reference", scale=0.35)  # peaky logits: no near-ties
-    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3, 4]]
+    # a repeated prompt: its rows are prefilled once and copied into rows on other data shards
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [3, 4], [20, 21, 20, 21, 20, 21, 20, 21, 20, 21, 20], [3, 4]]
     ar = generate(plain, prompts, max_new_tokens=20).tokens  # unsharded AR == unsharded speculative: test_engine
     cases = [  # (mesh, drafter, settings, policy), all in the compiled loop
         ((2, 4), "ngram", {"max_ngram": 3}, "greedy_chain"),
