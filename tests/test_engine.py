@@ -443,7 +443,7 @@ def test_bucketed_verify_keeps_the_cache_out_of_the_switch(backend):
 
 @pytest.mark.parametrize("backend", ["reference", "scan"])
 def test_prefill_runs_each_distinct_prompt_once(backend, monkeypatch):
-    """Rows repeating a prompt (n samples of one prompt; the sampled lossless check's 128 copies) copy the K/V,
+    """Rows repeating a prompt (n samples of one prompt; the sampled lossless check's copies) copy the K/V,
     logits and taps of one prefilled row; a prompt that differs only by a trailing pad token is its own row."""
     from specdec import generate as gen
     from specdec.generate import pad_prompts, prefill, prefill_distinct
