@@ -336,6 +336,20 @@ class DFlashTask(T.TrainTask):
                                                          self.target.cfg.eos_token_ids))
         return {"backbone": init_backbone(self.arch, key, self.target.params["final_norm"])}, buffers
 
+    def grow(self, params: dict, source_config: dict) -> dict:
+        """A deeper drafter from a trained shallower one (`train.init_from`): its layers kept, each new layer on
+        top a copy of its last with the output projections (wo, w_down) zeroed, so the new layer adds nothing
+        to the residual stream and the grown drafter drafts exactly what its source did at step 0; training
+        then moves the zeroed projections first (their gradients are the only nonzero ones of the new layer's
+        at step 0), as in zero-initialised residual growth."""
+        have, want = int(source_config["num_layers"]), self.arch.cfg.num_layers
+        layers = params["backbone"]["layers"]
+        extra = {name: np.repeat(np.asarray(w)[-1:], want - have, axis=0) for name, w in layers.items()}
+        for name in ("wo", "w_down"):
+            extra[name] = np.zeros_like(extra[name])
+        grown = {name: np.concatenate([np.asarray(w), extra[name]], axis=0) for name, w in layers.items()}
+        return {**params, "backbone": {**params["backbone"], "layers": grown}}
+
     def frozen(self, target) -> dict:
         return {"embed": target.params["embed"], "head": target.output_projection()}
 

@@ -478,3 +478,50 @@ def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings():
     assert_lossless(counts, impossible, m)
     mutant = make(_WithReplacementQ, tree_accept=0.5)
     assert_biased(*sampled_joint(small, mutant, "multidraft_tree")[:2])
+
+
+def test_a_deeper_block_drafter_grows_from_a_trained_shallower_one(tmp_path):
+    """`train.init_from` a DSpark of fewer layers: the grown drafter computes exactly what its source did (the new
+    layer's output projections start at zero), the new layer is live (its wo changes the output), and a source
+    deeper than the run, or another setting differing with the depth, is still refused."""
+    from specdec.train import checkpoint as ckpt
+    from specdec.train.loop import initial_weights
+
+    target = random_target(tiny_config(), seed=3, scale=0.35)
+    shallow = dspark.make_task(target, num_layers=1, block_size=G, markov_rank=8)
+    params, buffers = shallow.init(jax.random.PRNGKey(0), None)
+    rng = np.random.default_rng(5)  # every weight perturbed, the Markov head's zero W2 included
+    params = jax.tree.map(lambda w: np.asarray(w) + 0.05 * rng.standard_normal(np.shape(w)).astype(np.float32),
+                          params)
+    source = tmp_path / "shallow"
+    ckpt.write_drafter_config(source, shallow.name, shallow.config(), ckpt.target_info(target))
+    ckpt.export_params(source, params, buffers, step=7)
+
+    deep = dspark.make_task(target, num_layers=3, block_size=G, markov_rank=8)
+    grown, _ = initial_weights(str(source), deep, target, *deep.init(jax.random.PRNGKey(1), None))
+    layers = grown["backbone"]["layers"]
+    assert layers["wq"].shape[0] == 3 and not np.any(layers["wo"][1:]) and not np.any(layers["w_down"][1:])
+    np.testing.assert_array_equal(layers["wq"][2], params["backbone"]["layers"]["wq"][0])
+
+    t = 14
+    tokens = jnp.asarray(rng.integers(0, target.cfg.vocab_size, (2, t)), jnp.int32)
+    taps = jnp.asarray(rng.standard_normal((len(deep.taps), 2, t, target.cfg.hidden_size)), jnp.float32)
+    anchors = jnp.asarray([[2, 6], [4, 8]], jnp.int32)
+    consts = deep.frozen(target)
+    want, _ = shallow.forward(params, consts, tokens, taps, anchors)
+    got, _ = deep.forward(grown, consts, tokens, taps, anchors)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    wo = np.array(layers["wo"])
+    wo[2] = 0.05 * rng.standard_normal(wo[2].shape)
+    live = {**grown, "backbone": {**grown["backbone"], "layers": {**layers, "wo": jnp.asarray(wo)}}}
+    moved, _ = deep.forward(live, consts, tokens, taps, anchors)
+    assert not np.allclose(moved, want, atol=1e-3)
+
+    with pytest.raises(ckpt.CheckpointError, match="differs from this run's in num_layers"):
+        bigger = tmp_path / "deep"
+        ckpt.write_drafter_config(bigger, deep.name, deep.config(), ckpt.target_info(target))
+        ckpt.export_params(bigger, grown, buffers, step=7)
+        initial_weights(str(bigger), shallow, target, params, buffers)
+    wider = dspark.make_task(target, num_layers=3, block_size=G, markov_rank=4)
+    with pytest.raises(ckpt.CheckpointError, match="differs from this run's in markov_rank, num_layers"):
+        initial_weights(str(source), wider, target, *wider.init(jax.random.PRNGKey(1), None))

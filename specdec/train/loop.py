@@ -296,13 +296,19 @@ def initial_weights(path: str, task: TrainTask, target, params, buffers) -> tupl
     """The params and buffers of the trained drafter at `path`, checked against a fresh init of this task (same
     drafter, target, architecture config and array shapes), in the fresh init's dtypes. The task's
     `training_keys` (loss weights, anchors per sequence, ...) may differ; a buffer the source lacks (e.g. a d2t
-    map of a draft vocabulary it did not use) comes from the fresh init."""
+    map of a draft vocabulary it did not use) comes from the fresh init. A source with fewer layers is grown
+    (`TrainTask.grow`) where the drafter supports it (the block drafters)."""
     info = ckpt_lib.load_drafter(path, expect_name=task.name)
     ckpt_lib.check_target(info, target, f"train.init_from {path}")
     mine = task.config()
     theirs = info["config"]
     free = set(task.training_keys)
     differ = sorted(k for k in set(mine) | set(theirs) if k not in free and mine.get(k) != theirs.get(k))
+    source_params = info["params"]
+    if differ == ["num_layers"] and int(theirs["num_layers"]) < int(mine["num_layers"]):
+        grown = task.grow(source_params, theirs)  # deeper than its source: None if the drafter cannot grow
+        if grown is not None:
+            source_params, differ = grown, []
     if differ:
         there = ", ".join(f"{k}={theirs.get(k)!r}" for k in differ)
         raise ckpt_lib.CheckpointError(f"train.init_from {path}: its drafter config differs from this run's in "
@@ -322,7 +328,7 @@ def initial_weights(path: str, task: TrainTask, target, params, buffers) -> tupl
     their_buffers = info["buffers"] or {}
     shared = {k: v for k, v in buffers.items() if k in their_buffers}  # the rest keep their fresh values
     loaded = same_shapes(shared, {k: their_buffers[k] for k in shared}, "buffers")
-    return same_shapes(params, info["params"], "parameters"), {**buffers, **loaded}
+    return same_shapes(params, source_params, "parameters"), {**buffers, **loaded}
 
 
 def initial_state(task: TrainTask, target, data: DistillData, examples: Examples, cfg, hyper: Hyper, mesh,

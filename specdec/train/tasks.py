@@ -102,6 +102,12 @@ class TrainTask(Protocol):
     # -- optional hooks: the defaults below are what a task that subclasses TrainTask and defines none gets --
     training_keys: tuple[str, ...] = ()  # config keys that shape training only: `train.init_from` may change them
 
+    def grow(self, params: dict, source_config: dict) -> dict | None:
+        """`train.init_from` a drafter of this kind whose config differs only by fewer layers (`num_layers`): its
+        params (NumPy, the source's shapes) grown to this task's depth, computing what the source computed; None:
+        this drafter cannot be grown (the differing config is then an error)."""
+        return None
+
     def calibrate(self, params, consts: dict, batches_and_feats: Iterable[tuple[dict, Any]]) -> dict | None:
         """Buffers fitted after training on the held-out (batch, feats) pairs (DSpark: its confidence
         temperatures), merged into the saved ones; None: nothing to fit (the pairs are then never computed)."""
