@@ -15,9 +15,10 @@ fresh process (the megakernel engine test, the hybrid drafter's adaptive test). 
 worker accumulates; the root cause is not known.
 
 The tests compile XLA:CPU programs at LLVM optimisation level 0 (`--xla_backend_optimization_level=0`, added to
-XLA_FLAGS unless it already names a level): compiling is half of the suite's time (~3,900 and ~5,700 programs on
-its two workers, hundreds of seconds each); level 0 compiles them ~25% faster and runs them a little slower
-(the training tests ~20%), and the suite went from 887 s to 730 s on 2 cores (session 35). It passes at both
+XLA_FLAGS unless it already names a level): compiling is half of the suite's time (`python -m pytest -p
+benchmarks.compile_time`: ~4,700 and ~4,900 programs on its two workers, 371 s and 438 s); level 0 compiles them
+~25% faster and runs them a little slower (the training tests ~20%), saving 15-18% of the suite within a sitting
+on 2 cores (docs/BENCHMARKS.md "Session 35"). It passes at both
 levels, the quickstart's recorded greedy tokens and the transformers parity included. To test at the product's
 level: `XLA_FLAGS=--xla_backend_optimization_level=2 python -m pytest`.
 

@@ -517,10 +517,10 @@ def test_a_deeper_block_drafter_grows_from_a_trained_shallower_one(tmp_path):
     moved, _ = deep.forward(live, consts, tokens, taps, anchors)
     assert not np.allclose(moved, want, atol=1e-3)
 
+    bigger = tmp_path / "deep"
+    ckpt.write_drafter_config(bigger, deep.name, deep.config(), ckpt.target_info(target))
+    ckpt.export_params(bigger, grown, buffers, step=7)
     with pytest.raises(ckpt.CheckpointError, match="differs from this run's in num_layers"):
-        bigger = tmp_path / "deep"
-        ckpt.write_drafter_config(bigger, deep.name, deep.config(), ckpt.target_info(target))
-        ckpt.export_params(bigger, grown, buffers, step=7)
         initial_weights(str(bigger), shallow, target, params, buffers)
     wider = dspark.make_task(target, num_layers=3, block_size=G, markov_rank=4)
     with pytest.raises(ckpt.CheckpointError, match="differs from this run's in markov_rank, num_layers"):
