@@ -105,8 +105,12 @@ class HybridDrafter(Drafter):
             kept = jax.tree.map(lambda s, x: jnp.asarray(x, s.dtype), shapes[1], state)
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0]), kept
 
-        # rows that verify the lookup's chain alone: every copying row, or with `lookup_nodes` the long matches
-        alone = use if not self.lookup_nodes else use & (length >= self.alone_match) & (self.alone_match > 0)
+        # rows that verify the lookup's chain alone: every copying row, or with `lookup_nodes` only the matches of
+        # >= alone_match tokens (none when it is 0)
+        if not self.lookup_nodes:
+            alone = use
+        else:
+            alone = use & (length >= self.alone_match) if self.alone_match else jnp.zeros_like(use)
         if self.model.skippable:  # a function of the committed context alone: sampled drafts stay exact
             model_draft, state = jax.lax.cond(jnp.all(alone | ctx.done), no_model, model_propose)
         else:  # its propose catches up on the committed tokens (EAGLE-3, draft LMs): it runs every round

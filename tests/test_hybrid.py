@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from drafters import create_drafter
+from drafters import create_drafter, dspark
 from drafters.hybrid import HybridDrafter
 from drafters.ngram import NgramDrafter
 from specdec.adaptive import AdaptiveWidth
@@ -20,7 +20,6 @@ from specdec.drafter import RoundContext, match_length_class
 from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.sampling import SamplingParams
-from drafters import dspark
 from specdec.testing import (PROMPTS, assert_biased, assert_lossless, distribution_target, peaky_target,
                              prefill_for_drafter, sampled_joint)
 from tests.test_dspark import as_tree, sampled_tree_drafters
