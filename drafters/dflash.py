@@ -174,11 +174,28 @@ def init_backbone(arch: BlockArch, key: jax.Array, final_norm) -> dict:
 def fuse_context(arch: BlockArch, p: dict, taps: jax.Array) -> jax.Array:
     """taps [n_taps, B, T, H] -> ctx [B, T, H] = RMSNorm(fc(concat(taps)))."""
     x = jnp.concatenate([t.astype(jnp.float32) for t in taps], axis=-1)
-    return transformer.rms_norm(x @ p["fc"], p["ctx_norm"], arch.cfg.rms_norm_eps)
+    fc = x @ p["fc"] if "fc" in p else transformer.dense_t(x, p["fc_t"])
+    return transformer.rms_norm(fc, p["ctx_norm"], arch.cfg.rms_norm_eps)
 
 
 def _layer(p: dict, i: int) -> dict:
-    return {k: v[i] for k, v in p["layers"].items()}
+    """Draft layer i's weights: stacked (training) or per layer (`inference_layout`)."""
+    layers = p["layers"]
+    return layers[i] if isinstance(layers, (list, tuple)) else {k: v[i] for k, v in layers.items()}
+
+
+def inference_layout(backbone: dict) -> dict:
+    """The trained backbone as the speculative loop reads it: the draft layers one dict each with q|k|v and
+    gate|up fused and matrices stored [out, in] (`transformer.fuse_layers`, the target's own fastest layout on
+    XLA:CPU), fc stored [out, in] too. From the training layout (stacked [in, out] layers), every drafted round
+    sliced each layer's weights out of the stack (XLA copies them, or converts them from a shipped float16
+    drafter: ~14 copies a round) and ran its 7-8-row products in the slow x @ W form; at batch 1 the draft
+    cost ~0.28 of a decode step (docs/BENCHMARKS.md session 37). `block_forward`, `context_kv` and
+    `fuse_context` read either layout."""
+    out = {k: v for k, v in backbone.items() if k not in ("layers", "fc")}
+    out["fc_t"] = backbone["fc"].T
+    out["layers"] = transformer.fuse_layers({"layers": backbone["layers"]})["layers"]
+    return out
 
 
 def _rope(c: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -195,7 +212,10 @@ def context_kv(arch: BlockArch, p: dict, ctx: jax.Array, positions: jax.Array) -
     out = []
     for i in range(arch.cfg.num_layers):
         w = _layer(p, i)
-        k, v = (transformer.project_heads(arch.cfg, w, ctx, name) for name in "kv")
+        if transformer.is_fused(w):  # one fused product; its q part is dropped
+            _, k, v = transformer.qkv_heads(arch.cfg, w, ctx)
+        else:
+            k, v = (transformer.project_heads(arch.cfg, w, ctx, name) for name in "kv")
         out.append((_rope(arch.cfg, k, positions), v))
     return out
 
@@ -247,10 +267,10 @@ def block_forward(arch: BlockArch, p: dict, embed: jax.Array, block_tokens: jax.
     for i in range(c.num_layers):
         w = _layer(p, i)
         h = transformer.rms_norm(x, w["attn_norm"], c.rms_norm_eps)
-        q, k, v = (transformer.project_heads(c, w, h, name) for name in "qkv")
+        q, k, v = transformer.qkv_heads(c, w, h)
         q, k = _rope(c, q, block_pos), _rope(c, k, block_pos)
         ck, cv = ctx_kv[i]
-        x = x + block_attention(q, k, v, _to_bkvsd(ck), _to_bkvsd(cv), ctx_ok) @ w["wo"]
+        x = x + transformer.attention_output(w, block_attention(q, k, v, _to_bkvsd(ck), _to_bkvsd(cv), ctx_ok))
         x = x + transformer.mlp(w, transformer.rms_norm(x, w["mlp_norm"], c.rms_norm_eps))
     return transformer.rms_norm(x, p["final_norm"], c.rms_norm_eps)
 
@@ -487,7 +507,8 @@ class DFlashDrafter(Drafter):
                  tree_depth: int = 0, tree_accept: float = TREE_ACCEPT, tree_sampling: str = TREE_SAMPLING):
         self.arch, self.num_draft_tokens, self.name = arch, int(num_draft_tokens), name
         self.taps = arch.taps
-        # {"params": trained weights, "embed": target embedding, "head": [H, Vd], buffers (d2t: int32 [Vd])}
+        # {"params": trained weights (`inference_layout`), "embed": target embedding, "head_t": [Vd, H],
+        #  buffers (d2t: int32 [Vd])}
         self.params = params
         self.top_k, self.depth = int(tree_top_k), int(tree_depth)
         if self.top_k or self.depth:  # a token tree from the same block forward (`propose_tree`)
@@ -516,10 +537,15 @@ class DFlashDrafter(Drafter):
     def from_trained(cls, arch, trained, buffers, target, num_draft_tokens, tree_top_k=0, tree_depth=0,
                      tree_accept=TREE_ACCEPT, tree_sampling=TREE_SAMPLING):
         buffers = {k: jnp.asarray(v) for k, v in (buffers or {}).items()}
+        dtype = target.cfg.jnp_dtype
         trained, head = jax.tree.map(jnp.asarray, trained), target.output_projection()
         if "d2t" in buffers:  # slice the vocabulary once here, not in every round
             head, trained = head[:, buffers["d2t"]], cls.restrict_vocab(trained, buffers["d2t"])
-        params = {"params": trained, "embed": jnp.asarray(target.params["embed"]), "head": head, **buffers}
+        # widened to the target's dtype once (a shipped float16 drafter), not converted in every round
+        trained = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, trained)
+        trained = {**trained, "backbone": inference_layout(trained["backbone"])}
+        # the head stored [Vd, H]: its 7-row product runs W @ x^T (`transformer.dense_t`), 1.3-2x faster here
+        params = {"params": trained, "embed": jnp.asarray(target.params["embed"]), "head_t": head.T, **buffers}
         return cls(arch, params, num_draft_tokens, tree_top_k=tree_top_k, tree_depth=tree_depth,
                    tree_accept=tree_accept, tree_sampling=tree_sampling)
 
@@ -559,7 +585,7 @@ class DFlashDrafter(Drafter):
 
     def head_logits(self, params, hidden):
         """The block's own logits U [B, D, V] (parallel, before any sequential head)."""
-        return jnp.einsum("bgh,hv->bgv", hidden, params["head"], preferred_element_type=jnp.float32)
+        return transformer.dense_t(hidden, params["head_t"], jnp.float32)
 
     def draw(self, params, hidden, root, sampling, key):
         """Draft tokens [B, k], their distributions ([B, k, V] or None when greedy), and the prefix survival

@@ -543,11 +543,19 @@ def _code_version(*modules: str) -> str:
     return digest.hexdigest()[:12]
 
 
+def _drafter_modules(drafter) -> tuple[str, ...]:
+    """The modules whose code decides what `drafter` costs a round: its class's and its base classes' (DSpark's
+    forward is DFlash's), and those of the drafters it wraps (the hybrid's model and lookup)."""
+    parts = [drafter] + [v for v in vars(drafter).values() if hasattr(v, "propose") and hasattr(v, "num_draft_tokens")]
+    names = {cls.__module__ for part in parts for cls in type(part).__mro__}
+    return tuple(sorted(n for n in names if n != "builtins"))
+
+
 def cost_key(target, drafter, policy: str, sampling, batch: int, capacity: int, widths) -> str:
     backend = getattr(getattr(target, "backend", None), "name", "?")
     draft = json.dumps(drafter.describe(), sort_keys=True, default=str)
     mode = "greedy" if sampling.greedy else "sampled"
-    code = _code_version("specdec.models.transformer", "specdec.engine", __name__, type(drafter).__module__)
+    code = _code_version("specdec.models.transformer", "specdec.engine", __name__, *_drafter_modules(drafter))
     return (f"{_machine()}|{target.cfg.name}|{backend}|{draft}|{policy}|{mode}|B={batch}|"
             f"S={-(-capacity // 256) * 256}|W={list(widths)}|code={code}")
 

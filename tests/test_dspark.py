@@ -260,7 +260,7 @@ def test_toy_two_phrases_dspark_tau_at_least_1_5x_dflash(toy_runs):
         assert temps.shape == (BLOCK,) and np.all(temps > 0) and not np.all(temps == 1.0), name
     # ... and so did the reduced vocabulary, holding every id the toy language uses
     spark = runs["dspark"][1].params
-    assert spark["head"].shape == (H, 16)
+    assert spark["head_t"].shape == (16, H)
     assert {MARKER, *PHRASES[0], *PHRASES[1]} <= set(np.asarray(spark["d2t"]).tolist())
 
 
