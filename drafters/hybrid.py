@@ -181,7 +181,9 @@ def make(target, num_draft_tokens: int, path: str = str(SHIPPED_DRAFTER), min_ma
     `lookup_nodes`: with a tree, the rows that copy verify the lookup's first `lookup_nodes` tokens and the
     model's best other nodes in one tree (0: the lookup's chain alone; 5 of 11 and 7 of 15 nodes with
     alone_match 4 and min_match 1 raised the mean T = 0 engine tau from 2.37 / 2.43 to 2.54 / 2.62, but not at
-    T = 1, and at batch 1 under the adaptive width it is 2-5% slower: docs/TRAINING.md, session 36);
+    T = 1, and at batch 1 under the adaptive width it is 2-5% slower, unless the width values a prefix by its
+    nodes, `scheduler.tree_value: nodes`: then 5% faster on GSM8K and HumanEval, 4% slower on MT-Bench;
+    docs/TRAINING.md, sessions 36 and 37);
     `alone_match`: with `lookup_nodes`, rows whose match spans at least this many tokens verify the lookup's
     whole chain alone (0: never)."""
     tree = {"tree_top_k": tree_top_k, "tree_depth": tree_depth} if tree_top_k or tree_depth else {}

@@ -61,7 +61,8 @@ Two decisions per round:
    decoding: the actual draft lengths replace the drafted-rate estimates and the draft's cost is sunk, so W is
    chosen again (down to 0). For drafts sampled at temperature > 0 the planned W stands. A tree is verified
    whole or not at all, unless its nodes are in priority order (`Drafter.ordered_tree`: suffix decoding's
-   best-first tree), which may be cut to a prefix valued by the levels it reaches.
+   best-first tree), which may be cut to a prefix valued by the levels it reaches, or (`tree_value: nodes`) by
+   its nodes, each with its own history: a node's acceptance given its parent's.
 
 Why this is lossless: whether draft position j is verified depends only on the past (history counts, the
 calibration and the tokens each row has left, all from rounds already committed), the machine's costs and, in
@@ -113,6 +114,7 @@ class AdaptiveState:
     last_drafted_levels: jax.Array  # bool [B, N] depths the drafter proposed, before the width cut
     last_drafted: jax.Array  # bool []
     last_class: jax.Array  # int32 [B] the draft's evidence class (`Draft.evidence`; 0 without one)
+    last_parents: jax.Array  # int32 [B, N] the last drafted tree's parents: the shape `plan` expects (nodes model)
     # accounting over the whole loop (the cost model's prediction, printed next to the measured time)
     width_rounds: jax.Array  # int32 [K] loop iterations per verify width
     skipped_drafts: jax.Array  # int32 [] iterations that skipped the draft
@@ -212,6 +214,13 @@ class AdaptiveWidth:
     # session 19). Measured worse (session 20): no gain on chat, and copy-heavy rows lost their first long
     # matches (rewrite with suffix decoding: 1.31x -> 0.94x). False (default): value every position at once.
     slow_start: bool = False
+    # How a prefix of a best-first tree (`Drafter.ordered_tree`) is valued. "levels" (until session 37): by the
+    # levels it reaches, the history kept per draft depth, so two prefixes that reach the same depth are worth
+    # the same and breadth (a second guess beside the first, the lookup's branch beside the drafter's) is never
+    # bought. "nodes": the history is kept per node index (node i's acceptance given its parent's), a node is
+    # worth the product along its path, and a prefix the sum over its nodes (its expected accepted drafts, exact
+    # under greedy verification, where at most one sibling is accepted). For a chain both are the same model.
+    tree_value: str = "levels"
 
     kind = "adaptive"
     needs_confidence = False
@@ -246,6 +255,8 @@ class AdaptiveWidth:
             raise ValueError(f"scheduler.prior_depth must be in (0, 1], got {self.prior_depth!r}")
         if self.prior_weight <= 0:
             raise ValueError(f"scheduler.prior_weight must be > 0, got {self.prior_weight!r}")
+        if self.tree_value not in ("levels", "nodes"):
+            raise ValueError(f"scheduler.tree_value must be 'levels' or 'nodes', got {self.tree_value!r}")
         if self.explore_every < 1:
             raise ValueError(f"scheduler.explore_every must be >= 1, got {self.explore_every!r}")
         if self.explore_max < self.explore_every:
@@ -268,6 +279,7 @@ class AdaptiveWidth:
             force_plan=jnp.asarray(-1, jnp.int32), force_refine=jnp.asarray(-1, jnp.int32),
             force_valid=jnp.asarray(False), last_drafted_levels=jnp.zeros((batch, num_nodes), bool),
             last_drafted=jnp.asarray(False), last_class=jnp.zeros((batch,), jnp.int32),
+            last_parents=jnp.broadcast_to(jnp.arange(num_nodes, dtype=jnp.int32) - 1, (batch, num_nodes)),
             width_rounds=jnp.zeros((k,), jnp.int32), skipped_drafts=jnp.zeros((), jnp.int32),
             predicted_seconds=jnp.zeros((), jnp.float32), quiet_rounds=jnp.zeros((), jnp.int32),
             explore_gap=jnp.asarray(self.explore_every, jnp.int32),
@@ -301,10 +313,13 @@ class AdaptiveWidth:
             prior = rate * self.prior_depth
         return jnp.stack(rates, axis=1)
 
-    def survival(self, st: AdaptiveState, evidence: jax.Array | None = None) -> jax.Array:
+    def survival(self, st: AdaptiveState, evidence: jax.Array | None = None,
+                 parents: jax.Array | None = None) -> jax.Array:
         """P(positions 1..j all accepted | drafted), from the conditional estimates: [B, N] (0 past a row's
-        slow-start reach)."""
-        survival = jnp.cumprod(self.acceptance(st, evidence), axis=1)
+        slow-start reach). With `parents` [B, N] (the nodes model, `tree_value`): P(node i and its ancestors all
+        accepted), the estimates taken per node index."""
+        accept = self.acceptance(st, evidence)
+        survival = jnp.cumprod(accept, axis=1) if parents is None else path_products(accept, parents)
         return jnp.where(self.reach(st), survival, 0.0) if self.slow_start else survival
 
     def reach(self, st: AdaptiveState) -> jax.Array:
@@ -357,12 +372,17 @@ class AdaptiveWidth:
         floor = jnp.ceil(jnp.maximum(extra, 0.0) / self.explore_budget - 1e-3)  # 1e-3: float32 rounding
         return jnp.clip(floor, self.explore_every, self.explore_max).astype(jnp.int32)
 
-    def _expected_by_width(self, st: AdaptiveState, widths, remaining, evidence=None) -> jax.Array:
+    def values_nodes(self, tree: bool, ordered: bool) -> bool:
+        """Whether a draft's history is kept per node index (`tree_value: nodes`, best-first trees) rather than
+        per depth."""
+        return tree and ordered and self.tree_value == "nodes"
+
+    def _expected_by_width(self, st: AdaptiveState, widths, remaining, evidence=None, parents=None) -> jax.Array:
         """[B, K, N]: P(position j drafted and accepted) per row, for the positions a verify width of widths[k]
         covers and the row can still commit (j < r_b - 1: the round's own token comes first), 0 elsewhere;
         before drafting and uncalibrated. `evidence` [B]: the draft's evidence class if known before drafting
         (`Drafter.evidence_before_draft`), else None (pooled over the classes)."""
-        gain = self._rate(st.drafted, st.drafts) * self.survival(st, evidence)  # [B, N]
+        gain = self._rate(st.drafted, st.drafts) * self.survival(st, evidence, parents)  # [B, N]
         upto = jnp.minimum(jnp.asarray(widths)[None, :], _room(remaining, gain.shape))  # [B, K]
         covered = jnp.arange(gain.shape[1])[None, None, :] < upto[:, :, None]  # [B, K, N]
         return jnp.where(covered, gain[:, None, :], 0.0)
@@ -393,7 +413,8 @@ class AdaptiveWidth:
         n = st.hits.shape[2]
         if evidence is not None:
             evidence = jnp.clip(evidence, 0, st.hits.shape[1] - 1)
-        value = self._value(st, self._expected_by_width(st, widths, remaining, evidence), active, remaining)
+        parents = st.last_parents if self.values_nodes(tree, ordered) else None
+        value = self._value(st, self._expected_by_width(st, widths, remaining, evidence, parents), active, remaining)
         best = self._best(value, st.round_cost, self._allowed(st, widths, n, tree, ordered))
         if look and self.free_draft > 0 and st.hits.shape[0] <= self.free_draft_max_batch:
             free = st.draft_cost <= self.free_draft * st.round_cost[0]
@@ -412,16 +433,23 @@ class AdaptiveWidth:
         valid = jnp.where(st.force_valid, True, draft.valid)
         evidence = (jnp.zeros(valid.shape[:1], jnp.int32) if draft.evidence is None
                     else jnp.clip(draft.evidence, 0, st.hits.shape[1] - 1))
+        nodes = self.values_nodes(tree, ordered)
         if tree:  # a valid node's depth does not depend on which other nodes are valid (its ancestors are)
             _, depth = trees.tree_attention(draft.parents, valid)
-            drafted_levels = trees.levels_present(draft.valid, depth)
+            drafted_levels = draft.valid if nodes else trees.levels_present(draft.valid, depth)
         else:
             drafted_levels = draft.valid
         k = planned
-        expected = self._expected_by_width(st, widths, remaining)  # [B, K, N] per row and position, uncalibrated
+        parents = draft.parents if nodes else None
+        # [B, K, N] per row and position (node), uncalibrated
+        expected = self._expected_by_width(st, widths, remaining, parents=parents)
         if look:
             # [B, K]: the draft positions (tree levels) a round at each width reaches
-            if not tree:  # the drafted prefix, cut to the width
+            if nodes:  # a prefix of w nodes: each valid node within reach of the tokens left, by its path
+                room = _room(remaining, valid.shape)[:, :, None]  # [B, 1, 1]
+                covered = ((jnp.arange(n)[None, None, :] < w[None, :, None]) & valid[:, None, :]
+                           & (depth[:, None, 1:] <= room))
+            elif not tree:  # the drafted prefix, cut to the width
                 lead = jnp.sum(jnp.cumprod(valid.astype(jnp.int32), axis=1), axis=1)
                 upto = jnp.minimum(w[None, :], lead[:, None])
             elif ordered:  # a prefix of w nodes reaches the deepest level among them
@@ -431,9 +459,10 @@ class AdaptiveWidth:
             else:  # the whole tree: the levels it reaches, if verified at all
                 lead = jnp.max(jnp.where(valid, depth[:, 1:], 0), axis=1)
                 upto = jnp.minimum(w[None, :], lead[:, None])
-            upto = jnp.minimum(upto, _room(remaining, valid.shape))
-            covered = jnp.arange(n)[None, None, :] < upto[:, :, None]  # [B, K, N]
-            survival = self.survival(st, evidence)[:, None, :]
+            if not nodes:
+                upto = jnp.minimum(upto, _room(remaining, valid.shape))
+                covered = jnp.arange(n)[None, None, :] < upto[:, :, None]  # [B, K, N]
+            survival = self.survival(st, evidence, parents)[:, None, :]
             expected = jnp.where(drafted, jnp.where(covered, survival, 0.0), expected)
             value = self._value(st, expected, active, remaining)
             verify_only = jnp.where(w > 0, st.round_cost - st.draft_cost, st.round_cost)  # the draft is paid
@@ -450,6 +479,9 @@ class AdaptiveWidth:
                          st.round_cost[0])
         round_expected = jnp.sum(jnp.where(active[:, None], expected[:, k], 0.0), axis=0)
         st = self._record(st, active, ran, cost, drafted, drafted_levels & drafted, evidence, round_expected)
+        if nodes:  # the shape the next plan expects
+            st = dataclasses.replace(st, last_parents=jnp.where(drafted, draft.parents.astype(jnp.int32),
+                                                                st.last_parents))
         return dataclasses.replace(draft, valid=keep), st
 
     def skipped(self, st: AdaptiveState, active: jax.Array) -> AdaptiveState:
@@ -474,17 +506,26 @@ class AdaptiveWidth:
             round_break_even=jnp.sum(active) * (st.round_cost[ran] / st.round_cost[0] - 1.0))
 
     def observe(self, st: AdaptiveState, verified: jax.Array, num_accepted: jax.Array,
-                active: jax.Array) -> AdaptiveState:
+                active: jax.Array, path: jax.Array | None = None, parents: jax.Array | None = None) -> AdaptiveState:
         """Fold one verified round into each active row's history. `verified` [B, N]: the depths the target
-        verified (`trees.levels_present` of the draft as verified). A count decays only when its position is
-        observed (acceptance: reached; drafted rates: a round that drafted), so what a row learnt is kept while
-        it skips the draft; finished rows keep their counts. A round that verified something sets the
+        verified (`trees.levels_present` of the draft as verified); for the nodes model (`values_nodes`) the
+        nodes it verified, with the accepted `path` [B, N] (node indices, -1 padded) and the tree's `parents`:
+        node i is then observed when its parent was accepted, and accepted when it is on the path. A count
+        decays only when its position is observed (acceptance: reached; drafted rates: a round that drafted), so
+        what a row learnt is kept while it skips the draft; finished rows keep their counts. A round that
+        verified something sets the
         exploration gap: back to `explore_every` if the drafts it accepted paid for its width (break-even:
         active rows x (C(W) / C(0) - 1) accepted drafts), else doubled."""
         was_drafted = st.last_drafted_levels
         pos = jnp.arange(verified.shape[1])[None, :]
-        reached = verified & (pos <= num_accepted[:, None]) & active[:, None]  # j verified and j-1 accepted
-        hit = reached & (pos < num_accepted[:, None])
+        if path is None:
+            reached = verified & (pos <= num_accepted[:, None]) & active[:, None]  # j verified and j-1 accepted
+            hit = reached & (pos < num_accepted[:, None])
+        else:
+            on_path = jnp.any(path[:, None, :] == pos[:, :, None], axis=2)  # [B, N]
+            above = jnp.take_along_axis(on_path, jnp.clip(parents, 0, None), axis=1)
+            reached = verified & ((parents < 0) | above) & active[:, None]
+            hit = reached & on_path
         in_class = jax.nn.one_hot(st.last_class, st.hits.shape[1], dtype=bool)[:, :, None]  # [B, C, 1]
         class_reached, class_hit = in_class & reached[:, None, :], in_class & hit[:, None, :]
         g_seen = jnp.where(class_reached, self.decay, 1.0)
@@ -504,6 +545,23 @@ class AdaptiveWidth:
             calib_realised=g_calib * st.calib_realised + jnp.where(checked, realised, 0.0),
             hits=g_seen * st.hits + class_hit, reached=g_seen * st.reached + class_reached,
             drafted=g_drafted * st.drafted + (did & was_drafted), drafts=g_drafted * st.drafts + did)
+
+
+def path_products(accept: jax.Array, parents: jax.Array) -> jax.Array:
+    """[B, N]: for each node of a tree whose parents precede their children (`parents` [B, N], -1 = the root),
+    the product of `accept` [B, N] over the node and its ancestors. For a chain (parents i - 1) the cumulative
+    product."""
+    b, n = accept.shape
+    columns = []
+    for i in range(n):  # static: parents come first, so a node's ancestors are already done
+        above = jnp.ones((b,), accept.dtype)
+        if i:
+            done = jnp.stack(columns, axis=1)
+            parent = parents[:, i]
+            above = jnp.where(parent >= 0, jnp.take_along_axis(done, jnp.clip(parent, 0, i - 1)[:, None],
+                                                                 axis=1)[:, 0], 1.0)
+        columns.append(accept[:, i] * above)
+    return jnp.stack(columns, axis=1)
 
 
 def _room(remaining, shape) -> jax.Array:

@@ -174,6 +174,8 @@ class SchedulerConfig:
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
     reprofile: bool = False  # "adaptive": measure the round costs again even if cached
     slow_start: bool = False  # "adaptive": a row values draft positions up to twice its deepest accepted one
+    # "adaptive": a best-first tree's prefix valued by the "levels" it reaches or by its "nodes" (breadth counts)
+    tree_value: Literal["levels", "nodes"] = "levels"
 
     def __post_init__(self):
         _require(0 <= self.threshold <= 1, "threshold", f"must be in [0, 1], got {self.threshold!r}")

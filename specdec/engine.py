@@ -332,8 +332,12 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, w
     levels = jnp.arange(1, num_nodes + 1)[None, :, None]
     has_level = trees.levels_present(draft.valid, depth)  # [B, N]
     if isinstance(spec.scheduler, AdaptiveWidth):
-        state = dataclasses.replace(state, sched=spec.scheduler.observe(state.sched, has_level, result.num_accepted,
-                                                                        active))
+        if spec.scheduler.values_nodes(spec.drafter.kind == "tree", spec.drafter.ordered_tree):  # per node index
+            sched = spec.scheduler.observe(state.sched, draft.valid, result.num_accepted, active, path=result.path,
+                                           parents=draft.parents)
+        else:  # per draft depth
+            sched = spec.scheduler.observe(state.sched, has_level, result.num_accepted, active)
+        state = dataclasses.replace(state, sched=sched)
     took_level = slot[:, :num_nodes] < kept[:, None]
     # Position j's verdict is observed when positions < j were kept and j was either kept or rejected (j == a,
     # no cut), with a candidate at depth j+1 below the accepted node at depth j (the root for j = 0).

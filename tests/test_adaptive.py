@@ -155,6 +155,62 @@ def test_an_ordered_tree_may_be_verified_by_prefix():
     assert int(sched.plan(quiet, widths, active, tree=True)) == 3
 
 
+def test_path_products_is_the_cumulative_product_along_each_path():
+    accept = jnp.asarray([[0.5, 0.3, 0.8, 0.6]])
+    tree = adaptive.path_products(accept, jnp.asarray([[-1, -1, 0, 1]]))  # two root children, one child each
+    np.testing.assert_allclose(np.asarray(tree), [[0.5, 0.3, 0.4, 0.18]], rtol=1e-6)
+    chain = adaptive.path_products(accept, jnp.asarray([[-1, 0, 1, 2]]))
+    np.testing.assert_allclose(np.asarray(chain), np.cumprod(np.asarray(accept), axis=1), rtol=1e-6)
+
+
+def test_the_nodes_model_buys_breadth_the_levels_model_cannot_see():
+    """`tree_value: nodes` values a best-first tree's prefix by the sum over its nodes of P(node and its
+    ancestors accepted), each node index with its own history; `levels` by the levels the prefix reaches. Tree:
+    two candidates at depth 1 (nodes 0, 1), one child under each. The same counts, read per node: node 0
+    accepted 5 of 10 times, node 1 4 of 10 (given the root), the children 1 of 10. Read per depth (levels):
+    depth 1 at 5/10, depth 2 at 4/10."""
+    widths, costs = (0, 1, 2, 4), ((1.0, 1.3, 1.5, 2.2), 0.0)
+    tree = Draft.tree(jnp.ones((1, 4), jnp.int32), jnp.asarray([[-1, -1, 0, 1]], jnp.int32))
+    active = jnp.asarray([True])
+    counts = dict(hits=[[5, 4, 1, 1]], reached=[[10, 10, 10, 10]], drafted=[[10] * 4], drafts=[[10]])
+    levels, nodes = AdaptiveWidth(), AdaptiveWidth(tree_value="nodes")
+    # (hits + prior) / (reached + 1), a position's prior the estimate before it times prior_depth 0.8
+    a0 = 6 / 11
+    a1 = (4 + 0.8 * a0) / 11
+    a2 = (1 + 0.8 * a1) / 11
+    a3 = (1 + 0.8 * a2) / 11
+    # levels: prefixes of 1 and 2 nodes both reach depth 1, so the second candidate is worth nothing
+    theta_levels = [1.0, (1 + a0) / 1.3, (1 + a0) / 1.5, (1 + a0 + a0 * a1) / 2.2]
+    theta_nodes = [1.0, (1 + a0) / 1.3, (1 + a0 + a1) / 1.5, (1 + a0 + a1 + a0 * a2 + a1 * a3) / 2.2]
+    assert int(np.argmax(theta_levels)) == 1 and int(np.argmax(theta_nodes)) == 2
+    for sched, want in ((levels, 1), (nodes, 2)):
+        st = state_with(sched, costs=costs, **counts)
+        cut, st2 = sched.refine(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=True,
+                                ordered=True)
+        assert np.asarray(cut.valid).tolist() == [[True] * want + [False] * (4 - want)], sched.tree_value
+        if sched.tree_value == "nodes":  # the expected accepted drafts it recorded: the two candidates' sum
+            np.testing.assert_allclose(float(jnp.sum(st2.round_expected)), a0 + a1, rtol=1e-5)
+            assert np.asarray(st2.last_parents).tolist() == [[-1, -1, 0, 1]]  # the shape the next plan expects
+            assert int(sched.plan(st2, widths, active, tree=True, ordered=True)) == 2
+    with pytest.raises(ValueError, match="tree_value"):
+        AdaptiveWidth(tree_value="breadth")
+
+
+def test_the_nodes_model_observes_each_node_whose_parent_was_accepted():
+    """After a verified round of the tree above whose accepted path is node 1 then node 3: nodes 0 and 1 (the
+    root's children) were observed, node 1 accepted; node 3 (under node 1) observed and accepted; node 2 (under
+    the rejected node 0) not observed. A finished row keeps its counts."""
+    sched = AdaptiveWidth(decay=0.5, tree_value="nodes")
+    st = sched.init_state(2, 4, ((1.0, 1.0), 0.0))
+    parents = jnp.asarray([[-1, -1, 0, 1]] * 2, jnp.int32)
+    valid = jnp.ones((2, 4), bool)
+    path = jnp.asarray([[1, 3, -1, -1], [0, -1, -1, -1]], jnp.int32)
+    st = dataclasses.replace(st, last_drafted_levels=valid, last_drafted=jnp.asarray(True))
+    st = sched.observe(st, valid, jnp.asarray([2, 1]), jnp.asarray([True, False]), path=path, parents=parents)
+    np.testing.assert_allclose(np.asarray(st.reached)[:, 0], [[1, 1, 0, 1], [0, 0, 0, 0]])
+    np.testing.assert_allclose(np.asarray(st.hits)[:, 0], [[0, 1, 0, 1], [0, 0, 0, 0]])
+
+
 def test_observe_counts_reached_and_accepted_positions():
     sched = AdaptiveWidth(decay=0.5)
     st = sched.init_state(2, 3, ((1.0, 1.0), 0.0))
@@ -513,14 +569,21 @@ def adaptive_drafters(target):
 def test_adaptive_greedy_equals_ar_with_rounds_of_every_width():
     target = peaky_target(3)
     ar = generate(target, PROMPTS, max_new_tokens=17)
-    for name, drafter in adaptive_drafters(target).items():
+    drafters = adaptive_drafters(target)
+    # suffix decoding's best-first tree valued per node too (`tree_value: nodes`)
+    runs = [(name, drafter, "levels") for name, drafter in drafters.items()] + [("suffix", drafters["suffix"], "nodes")]
+    for name, drafter, tree_value in runs:
         policy = "greedy_tree" if drafter.kind == "tree" else "greedy_chain"
         # trees run widths 0 or 4 (then as narrow as the tree)
         costs = ((1.0, 1.5, 2.0, 2.5), 0.2) if name == "tree" else COSTS_4
         batch = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17,
-                                     scheduler=AdaptiveWidth(costs=costs, explore_every=4))
+                                     scheduler=AdaptiveWidth(costs=costs, explore_every=4, tree_value=tree_value))
+        name = f"{name} ({tree_value})"
         assert batch.tokens == ar.tokens, name
         m = batch.metrics
+        if tree_value == "nodes":  # its drafts pay on this target: every round verifies a prefix of the tree
+            assert sum(m.width_rounds[1:-1]) > 0, (name, m.width_rounds)
+            continue
         assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (name, m.width_rounds)
         assert sum(m.width_rounds) >= m.rounds / len(PROMPTS)  # loop iterations >= a row's mean rounds
         assert (m.skipped_drafts > 0) == drafter.skippable, (name, m.skipped_drafts)  # others draft, verify 0
