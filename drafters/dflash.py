@@ -537,12 +537,13 @@ class DFlashDrafter(Drafter):
     def from_trained(cls, arch, trained, buffers, target, num_draft_tokens, tree_top_k=0, tree_depth=0,
                      tree_accept=TREE_ACCEPT, tree_sampling=TREE_SAMPLING):
         buffers = {k: jnp.asarray(v) for k, v in (buffers or {}).items()}
-        dtype = target.cfg.jnp_dtype
+        dtype = jnp.dtype(target.cfg.jnp_dtype)
         trained, head = jax.tree.map(jnp.asarray, trained), target.output_projection()
         if "d2t" in buffers:  # slice the vocabulary once here, not in every round
             head, trained = head[:, buffers["d2t"]], cls.restrict_vocab(trained, buffers["d2t"])
-        # widened to the target's dtype once (a shipped float16 drafter), not converted in every round
-        trained = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, trained)
+        # weights narrower than the target's dtype (a shipped float16 drafter) widened once, not in every round
+        narrower = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < dtype.itemsize  # noqa: E731
+        trained = jax.tree.map(lambda x: x.astype(dtype) if narrower(x) else x, trained)
         trained = {**trained, "backbone": inference_layout(trained["backbone"])}
         # the head stored [Vd, H]: its 7-row product runs W @ x^T (`transformer.dense_t`), 1.3-2x faster here
         params = {"params": trained, "embed": jnp.asarray(target.params["embed"]), "head_t": head.T, **buffers}

@@ -89,6 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec import trees
+from specdec.drafter import Drafter
 from specdec.scheduling import cache_root, cached_measurement
 
 COST_FILE = "round_costs.json"
@@ -513,9 +514,8 @@ class AdaptiveWidth:
         node i is then observed when its parent was accepted, and accepted when it is on the path. A count
         decays only when its position is observed (acceptance: reached; drafted rates: a round that drafted), so
         what a row learnt is kept while it skips the draft; finished rows keep their counts. A round that
-        verified something sets the
-        exploration gap: back to `explore_every` if the drafts it accepted paid for its width (break-even:
-        active rows x (C(W) / C(0) - 1) accepted drafts), else doubled."""
+        verified something sets the exploration gap: back to `explore_every` if the drafts it accepted paid for
+        its width (break-even: active rows x (C(W) / C(0) - 1) accepted drafts), else doubled."""
         was_drafted = st.last_drafted_levels
         pos = jnp.arange(verified.shape[1])[None, :]
         if path is None:
@@ -549,19 +549,9 @@ class AdaptiveWidth:
 
 def path_products(accept: jax.Array, parents: jax.Array) -> jax.Array:
     """[B, N]: for each node of a tree whose parents precede their children (`parents` [B, N], -1 = the root),
-    the product of `accept` [B, N] over the node and its ancestors. For a chain (parents i - 1) the cumulative
-    product."""
-    b, n = accept.shape
-    columns = []
-    for i in range(n):  # static: parents come first, so a node's ancestors are already done
-        above = jnp.ones((b,), accept.dtype)
-        if i:
-            done = jnp.stack(columns, axis=1)
-            parent = parents[:, i]
-            above = jnp.where(parent >= 0, jnp.take_along_axis(done, jnp.clip(parent, 0, i - 1)[:, None],
-                                                                 axis=1)[:, 0], 1.0)
-        columns.append(accept[:, i] * above)
-    return jnp.stack(columns, axis=1)
+    the product of `accept` [B, N] over the node and its ancestors (`trees.ancestor_matrix`). For a chain
+    (parents i - 1) the cumulative product."""
+    return jnp.prod(jnp.where(trees.ancestor_matrix(parents), accept[:, None, :], 1.0), axis=2)
 
 
 def _room(remaining, shape) -> jax.Array:
@@ -604,7 +594,7 @@ def _code_version(*modules: str) -> str:
 def _drafter_modules(drafter) -> tuple[str, ...]:
     """The modules whose code decides what `drafter` costs a round: its class's and its base classes' (DSpark's
     forward is DFlash's), and those of the drafters it wraps (the hybrid's model and lookup)."""
-    parts = [drafter] + [v for v in vars(drafter).values() if hasattr(v, "propose") and hasattr(v, "num_draft_tokens")]
+    parts = [drafter] + [v for v in vars(drafter).values() if isinstance(v, Drafter)]
     names = {cls.__module__ for part in parts for cls in type(part).__mro__}
     return tuple(sorted(n for n in names if n != "builtins"))
 
