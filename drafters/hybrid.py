@@ -134,8 +134,9 @@ class HybridDrafter(Drafter):
         join = lambda a, b: jnp.concatenate([a[:, :n], b[:, :rest]], axis=1)  # noqa: E731
         parents = join(lookup.parents, jnp.where(model.parents >= 0, model.parents + n, -1))
         probs = None if lookup.probs is None else join(lookup.probs, model.probs)
-        return Draft.tree(join(lookup.tokens, model.tokens), parents, probs=probs,
-                          valid=join(lookup.valid, model.valid))
+        scores = None if model.scores is None else join(lookup_scores(lookup), model.scores)
+        return dataclasses.replace(Draft.tree(join(lookup.tokens, model.tokens), parents, probs=probs,
+                                              valid=join(lookup.valid, model.valid)), scores=scores)
 
     def update(self, params, state, ctx, result, taps):
         return self.model.update(params, state, ctx, result, taps)
@@ -157,11 +158,18 @@ class HybridDrafter(Drafter):
         return out
 
 
+def lookup_scores(draft: Draft) -> jax.Array:
+    """The lookup's nodes carry no acceptance estimate of their own (`Draft.scores` < 0)."""
+    return jnp.full(draft.tokens.shape, -1.0, jnp.float32) if draft.scores is None else draft.scores
+
+
 def rows_where(rows: jax.Array, a: Draft, b: Draft) -> Draft:
-    """Per row: draft `a` where `rows` (bool [B]) holds, else `b` (tokens, parents, q, validity)."""
+    """Per row: draft `a` where `rows` (bool [B]) holds, else `b` (tokens, parents, q, validity, scores)."""
     pick = lambda x, y: jnp.where(rows.reshape(rows.shape + (1,) * (x.ndim - 1)), x, y)  # noqa: E731
-    return Draft.tree(pick(a.tokens, b.tokens), pick(a.parents, b.parents),
-                      probs=None if b.probs is None else pick(a.probs, b.probs), valid=pick(a.valid, b.valid))
+    scores = None if b.scores is None else pick(lookup_scores(a), b.scores)
+    return dataclasses.replace(Draft.tree(pick(a.tokens, b.tokens), pick(a.parents, b.parents),
+                                          probs=None if b.probs is None else pick(a.probs, b.probs),
+                                          valid=pick(a.valid, b.valid)), scores=scores)
 
 
 @register(NAME)

@@ -62,11 +62,15 @@ Two decisions per round:
    chosen again (down to 0). For drafts sampled at temperature > 0 the planned W stands. A tree is verified
    whole or not at all, unless its nodes are in priority order (`Drafter.ordered_tree`: suffix decoding's
    best-first tree), which may be cut to a prefix valued by the levels it reaches, or (`tree_value: nodes`) by
-   its nodes, each with its own history: a node's acceptance given its parent's.
+   its nodes, each with its own history: a node's acceptance given its parent's. With `score_bins` a drafted
+   tree's nodes are valued instead by the drafter's own estimate (`Draft.scores`: a top-k tree's q of each
+   node's token at its parent), calibrated per row by what nodes of that score realised: the history says what
+   rounds like this one were worth, the draft says whether this one is (at batch 1 on open chat the history
+   expected 4.5x the accepted drafts that came; docs/BENCHMARKS.md session 39).
 
 Why this is lossless: whether draft position j is verified depends only on the past (history counts, the
 calibration and the tokens each row has left, all from rounds already committed), the machine's costs and, in
-`refine`, on draft lengths and tree shapes that
+`refine`, on draft lengths, tree shapes and node scores that
 are deterministic functions of the committed context. It never depends on the sampled value of a draft token,
 so rejection sampling stays exact (the DSpark paper's appendix A shows what goes wrong otherwise;
 specdec/scheduling.py). Under greedy decoding any choice is exact.
@@ -116,6 +120,11 @@ class AdaptiveState:
     last_drafted: jax.Array  # bool []
     last_class: jax.Array  # int32 [B] the draft's evidence class (`Draft.evidence`; 0 without one)
     last_parents: jax.Array  # int32 [B, N] the last drafted tree's parents: the shape `plan` expects (nodes model)
+    last_scores: jax.Array  # float32 [B, N] the last drafted tree's `Draft.scores` (-1: none; `score_bins`)
+    # `score_bins`: per row, evidence class and bin of the drafter's node scores, the scores of the nodes observed
+    # (expected acceptances) and the nodes accepted, decayed per observation: their ratio calibrates the scores
+    score_expected: jax.Array  # float32 [B, C, S]
+    score_realised: jax.Array  # float32 [B, C, S]
     # accounting over the whole loop (the cost model's prediction, printed next to the measured time)
     width_rounds: jax.Array  # int32 [K] loop iterations per verify width
     skipped_drafts: jax.Array  # int32 [] iterations that skipped the draft
@@ -222,6 +231,14 @@ class AdaptiveWidth:
     # worth the product along its path, and a prefix the sum over its nodes (its expected accepted drafts, exact
     # under greedy verification, where at most one sibling is accepted). For a chain both are the same model.
     tree_value: str = "levels"
+    # With the nodes model: value a drafted deterministic tree (greedy decoding) by the drafter's own estimate of
+    # each node's acceptance (`Draft.scores`: a top-k tree's q of the node's token at its parent), times the
+    # row's realised / expected acceptance of the nodes whose scores fell in the same bin (edges in (0, 1),
+    # ratio 1 from `prior_weight` pseudo-nodes), instead of the node index's history alone: this round's draft
+    # says which rounds are worth verifying, the history only what rounds like it were worth. Nodes without a
+    # score (the hybrid's lookup) keep the history. `plan` (before drafting) is unchanged. None: off; (): one
+    # ratio for all scores. Given as a sequence or as edges joined by '/'.
+    score_bins: tuple[float, ...] | None = None
 
     kind = "adaptive"
     needs_confidence = False
@@ -260,6 +277,15 @@ class AdaptiveWidth:
             raise ValueError(f"scheduler.tree_value must be 'levels' or 'nodes', got {self.tree_value!r}")
         if self.explore_every < 1:
             raise ValueError(f"scheduler.explore_every must be >= 1, got {self.explore_every!r}")
+        if self.score_bins is not None:
+            edges = (self.score_bins,) if isinstance(self.score_bins, (int, float)) else self.score_bins
+            try:
+                edges = tuple(float(e) for e in (edges.split("/") if isinstance(edges, str) else edges) if e != "")
+            except (TypeError, ValueError):
+                raise ValueError(f"scheduler.score_bins must be increasing edges in (0, 1), got {edges!r}") from None
+            if any(not 0.0 < e < 1.0 for e in edges) or list(edges) != sorted(set(edges)):
+                raise ValueError(f"scheduler.score_bins must be increasing edges in (0, 1), got {self.score_bins!r}")
+            object.__setattr__(self, "score_bins", edges)
         if self.explore_max < self.explore_every:
             raise ValueError(f"scheduler.explore_max ({self.explore_max!r}) must be >= explore_every "
                              f"({self.explore_every!r})")
@@ -281,12 +307,32 @@ class AdaptiveWidth:
             force_valid=jnp.asarray(False), last_drafted_levels=jnp.zeros((batch, num_nodes), bool),
             last_drafted=jnp.asarray(False), last_class=jnp.zeros((batch,), jnp.int32),
             last_parents=jnp.broadcast_to(jnp.arange(num_nodes, dtype=jnp.int32) - 1, (batch, num_nodes)),
+            last_scores=jnp.full((batch, num_nodes), -1.0, jnp.float32),
+            score_expected=jnp.zeros((batch, classes, self.num_score_bins), jnp.float32),
+            score_realised=jnp.zeros((batch, classes, self.num_score_bins), jnp.float32),
             width_rounds=jnp.zeros((k,), jnp.int32), skipped_drafts=jnp.zeros((), jnp.int32),
             predicted_seconds=jnp.zeros((), jnp.float32), quiet_rounds=jnp.zeros((), jnp.int32),
             explore_gap=jnp.asarray(self.explore_every, jnp.int32),
             round_expected=jnp.zeros((num_nodes,), jnp.float32), round_break_even=jnp.zeros((), jnp.float32),
             expected_accepted=jnp.zeros((), jnp.float32), realised_accepted=jnp.zeros((), jnp.float32),
             calib_expected=jnp.zeros((num_nodes,), jnp.float32), calib_realised=jnp.zeros((num_nodes,), jnp.float32))
+
+    @property
+    def num_score_bins(self) -> int:
+        return 1 if self.score_bins is None else len(self.score_bins) + 1
+
+    def _score_bin(self, scores: jax.Array) -> jax.Array:
+        """int32, the bin of each score (`score_bins`)."""
+        return jnp.searchsorted(jnp.asarray(self.score_bins or (), jnp.float32), scores, side="right").astype(
+            jnp.int32) if self.score_bins else jnp.zeros(scores.shape, jnp.int32)
+
+    def scored_acceptance(self, st: AdaptiveState, evidence: jax.Array, scores: jax.Array) -> jax.Array:
+        """[B, N]: each node's score times its row's realised / expected acceptance in the score's bin and the
+        draft's evidence class (`score_bins`), at most 1."""
+        pick = jax.nn.one_hot(evidence, st.score_expected.shape[1], dtype=jnp.float32)[:, :, None]  # [B, C, 1]
+        expected, realised = jnp.sum(st.score_expected * pick, axis=1), jnp.sum(st.score_realised * pick, axis=1)
+        ratio = (realised + self.prior_weight) / (expected + self.prior_weight)  # [B, S]
+        return jnp.minimum(scores * jnp.take_along_axis(ratio, self._score_bin(scores), axis=1), 1.0)
 
     def _rate(self, num, den, prior=None):
         prior = self.prior if prior is None else prior
@@ -315,11 +361,14 @@ class AdaptiveWidth:
         return jnp.stack(rates, axis=1)
 
     def survival(self, st: AdaptiveState, evidence: jax.Array | None = None,
-                 parents: jax.Array | None = None) -> jax.Array:
+                 parents: jax.Array | None = None, scores: jax.Array | None = None) -> jax.Array:
         """P(positions 1..j all accepted | drafted), from the conditional estimates: [B, N] (0 past a row's
         slow-start reach). With `parents` [B, N] (the nodes model, `tree_value`): P(node i and its ancestors all
-        accepted), the estimates taken per node index."""
+        accepted), the estimates taken per node index, or for the nodes with `scores` >= 0 [B, N] (a drafted
+        tree's `Draft.scores`, with `score_bins`) from their calibrated scores."""
         accept = self.acceptance(st, evidence)
+        if scores is not None:
+            accept = jnp.where(scores >= 0, self.scored_acceptance(st, evidence, scores), accept)
         survival = jnp.cumprod(accept, axis=1) if parents is None else path_products(accept, parents)
         return jnp.where(self.reach(st), survival, 0.0) if self.slow_start else survival
 
@@ -463,7 +512,7 @@ class AdaptiveWidth:
             if not nodes:
                 upto = jnp.minimum(upto, _room(remaining, valid.shape))
                 covered = jnp.arange(n)[None, None, :] < upto[:, :, None]  # [B, K, N]
-            survival = self.survival(st, evidence, parents)[:, None, :]
+            survival = self.survival(st, evidence, parents, self._draft_scores(draft, nodes))[:, None, :]
             expected = jnp.where(drafted, jnp.where(covered, survival, 0.0), expected)
             value = self._value(st, expected, active, remaining)
             verify_only = jnp.where(w > 0, st.round_cost - st.draft_cost, st.round_cost)  # the draft is paid
@@ -483,7 +532,16 @@ class AdaptiveWidth:
         if nodes:  # the shape the next plan expects
             st = dataclasses.replace(st, last_parents=jnp.where(drafted, draft.parents.astype(jnp.int32),
                                                                 st.last_parents))
+        scores = self._draft_scores(draft, nodes)
+        if scores is not None:  # what `observe` calibrates the scores with
+            st = dataclasses.replace(st, last_scores=jnp.where(drafted, scores, -1.0))
         return dataclasses.replace(draft, valid=keep), st
+
+    def _draft_scores(self, draft, nodes: bool) -> jax.Array | None:
+        """The draft's node scores where `score_bins` values them (the nodes model), else None."""
+        if self.score_bins is None or not nodes or draft.scores is None:
+            return None
+        return jnp.where(draft.valid, draft.scores.astype(jnp.float32), -1.0)
 
     def skipped(self, st: AdaptiveState, active: jax.Array) -> AdaptiveState:
         """What `refine` records for a round that skipped the draft, without a draft to refine (the loop of plain
@@ -528,6 +586,14 @@ class AdaptiveWidth:
             hit = reached & on_path
         in_class = jax.nn.one_hot(st.last_class, st.hits.shape[1], dtype=bool)[:, :, None]  # [B, C, 1]
         class_reached, class_hit = in_class & reached[:, None, :], in_class & hit[:, None, :]
+        # the scored nodes observed, by bin: [B, N, S] -> counts, expected and realised acceptances [B, C, S]
+        scored = reached & (st.last_scores >= 0)
+        in_bin = jax.nn.one_hot(self._score_bin(st.last_scores), self.num_score_bins, dtype=jnp.float32)
+        in_bin = in_bin * scored[:, :, None]
+        seen_bin = jnp.einsum("bns->bs", in_bin)[:, None, :] * in_class
+        exp_bin = jnp.einsum("bns,bn->bs", in_bin, jnp.maximum(st.last_scores, 0.0))[:, None, :] * in_class
+        hit_bin = jnp.einsum("bns,bn->bs", in_bin, hit.astype(jnp.float32))[:, None, :] * in_class
+        g_bin = self.decay ** seen_bin
         g_seen = jnp.where(class_reached, self.decay, 1.0)
         did = (st.last_drafted & active)[:, None]
         g_drafted = jnp.where(did, self.decay, 1.0)
@@ -544,6 +610,7 @@ class AdaptiveWidth:
             calib_expected=g_calib * st.calib_expected + jnp.where(checked, st.round_expected, 0.0),
             calib_realised=g_calib * st.calib_realised + jnp.where(checked, realised, 0.0),
             hits=g_seen * st.hits + class_hit, reached=g_seen * st.reached + class_reached,
+            score_expected=g_bin * st.score_expected + exp_bin, score_realised=g_bin * st.score_realised + hit_bin,
             drafted=g_drafted * st.drafted + (did & was_drafted), drafts=g_drafted * st.drafts + did)
 
 

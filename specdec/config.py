@@ -176,8 +176,14 @@ class SchedulerConfig:
     slow_start: bool = False  # "adaptive": a row values draft positions up to twice its deepest accepted one
     # "adaptive": a best-first tree's prefix valued by the "levels" it reaches or by its "nodes" (breadth counts)
     tree_value: Literal["levels", "nodes"] = "levels"
+    # "adaptive" with tree_value nodes: value a drafted tree by the drafter's node scores, calibrated per row in
+    # these bins (edges in (0, 1); [] one bin; None off; specdec/adaptive.py `score_bins`)
+    score_bins: tuple[float, ...] | None = None
 
     def __post_init__(self):
+        _require(self.score_bins is None or (all(0 < e < 1 for e in self.score_bins)
+                                             and list(self.score_bins) == sorted(set(self.score_bins))),
+                 "score_bins", f"must be increasing edges in (0, 1), got {self.score_bins!r}")
         _require(0 <= self.threshold <= 1, "threshold", f"must be in [0, 1], got {self.threshold!r}")
         _require(0 <= self.decay < 1, "decay", f"must be in [0, 1), got {self.decay!r}")
         _require(0 < self.prior <= 1, "prior", f"must be in (0, 1], got {self.prior!r}")

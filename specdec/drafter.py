@@ -81,6 +81,12 @@ class Draft:
     adaptive verify width keeps each row's acceptance history per class (specdec/adaptive.py). It must be a
     function of the committed context alone, never of this round's random draws: whether a token is verified
     must not depend on its sampled value.
+
+    `scores[b, i]` (optional, float32 [B, N]) is the drafter's own estimate that node i is accepted once its
+    parent is: for a top-k tree, q of the node's token at its parent's context (`trees.grow_dynamic_tree`);
+    negative = no estimate (the hybrid's lookup nodes). The adaptive width (`score_bins`) values a drafted
+    deterministic tree by it, corrected by the row's history in the score's bin. Like `evidence` it may only
+    depend on the committed context and the tokens above the node.
     """
 
     tokens: jax.Array  # int32 [B, N]
@@ -88,6 +94,7 @@ class Draft:
     probs: jax.Array | None  # float32 [B, N, V] or None (deterministic draft: q = one-hot at the token)
     valid: jax.Array  # bool [B, N]
     evidence: jax.Array | None = None  # int32 [B] a class of the draft's expected quality, or None (one class)
+    scores: jax.Array | None = None  # float32 [B, N] the drafter's P(node accepted | parent accepted), or None
 
     @staticmethod
     def chain(tokens: jax.Array, probs: jax.Array | None = None, valid: jax.Array | None = None,

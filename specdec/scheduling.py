@@ -241,7 +241,8 @@ def make_scheduler(cfg, target=None, max_tokens: int | None = None, log=print) -
                              calibration_min_batch=int(cfg.calibration_min_batch),
                              free_draft=float(cfg.free_draft), free_draft_max_batch=int(cfg.free_draft_max_batch),
                              objective=str(cfg.objective), slow_start=bool(cfg.slow_start),
-                             tree_value=str(cfg.tree_value))
+                             tree_value=str(cfg.tree_value),
+                             score_bins=None if cfg.score_bins is None else tuple(cfg.score_bins))
     if cfg.kind == "threshold":
         return Scheduler("threshold", threshold=float(cfg.threshold))
     if target is None or not max_tokens:

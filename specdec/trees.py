@@ -303,7 +303,8 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
     """
     k = top_k
     to_target = to_target or (lambda ids: ids)
-    if draw is None:  # every node's top-k tokens: picks, not samples
+    picks = draw is None
+    if picks:  # every node's top-k tokens: picks, not samples
         draw = lambda logits, level: (*jax.lax.top_k(jax.nn.log_softmax(logits), k), None, None)
     front_score, front_ids, front_probs, front_valid = draw(root_logits[:, None], 0)  # the depth-1 frontier
     front_score, front_ids = front_score[:, 0], front_ids[:, 0]
@@ -339,9 +340,17 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
                                   exp_inputs, outputs)
         offset += k * k
     cat = lambda parts: None if parts is None else jnp.concatenate(parts, 1)
-    draft, _ = select_dynamic_tree(cat(cand_tokens), cat(cand_parents), cat(cand_scores), num_nodes,
-                                   probs=cat(cand_probs), valid=cat(cand_valid), best_first=best_first)
-    return draft
+    all_scores = cat(cand_scores)
+    draft, chosen = select_dynamic_tree(cat(cand_tokens), cat(cand_parents), all_scores, num_nodes,
+                                        probs=cat(cand_probs), valid=cat(cand_valid), best_first=best_first)
+    if not picks:
+        return draft
+    # top-k picks: each node's q at its parent's context (its path log-prob less its parent's), the drafter's
+    # own estimate of its acceptance once the parent is accepted (`Draft.scores`)
+    path = jnp.take_along_axis(all_scores, chosen, axis=1)
+    above = jnp.where(draft.parents >= 0, jnp.take_along_axis(path, jnp.maximum(draft.parents, 0), axis=1), 0.0)
+    q = jnp.exp(jnp.minimum(path - above, 0.0))
+    return dataclasses.replace(draft, scores=jnp.where(draft.valid, q, 0.0).astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -211,6 +211,61 @@ def test_the_nodes_model_observes_each_node_whose_parent_was_accepted():
     np.testing.assert_allclose(np.asarray(st.hits)[:, 0], [[0, 1, 0, 1], [0, 0, 0, 0]])
 
 
+def test_node_scores_value_a_drafted_tree_by_this_rounds_draft():
+    """`score_bins`: a drafted tree's nodes valued by the drafter's scores times the row's realised / expected
+    acceptance in each score's bin. The history per node index (2 of 10 accepted at every node) says the tree
+    does not pay; confident scores (0.9 at each node) say it does, and a row whose bin realised half of what
+    its scores expected halves them again. Nodes without a score (-1) keep the history."""
+    widths, costs = (0, 1, 2, 4), ((1.0, 1.3, 1.5, 2.2), 0.0)
+    parents = jnp.asarray([[-1, -1, 0, 1]], jnp.int32)
+    active = jnp.asarray([True])
+    counts = dict(hits=[[2, 2, 2, 2]], reached=[[10] * 4], drafted=[[10] * 4], drafts=[[10]])
+    sched = AdaptiveWidth(tree_value="nodes", score_bins="0.5")
+    assert sched.score_bins == (0.5,) and sched.num_score_bins == 2
+    st = state_with(sched, costs=costs, **counts)
+
+    def width(st, scores):
+        tree = dataclasses.replace(Draft.tree(jnp.ones((1, 4), jnp.int32), parents),
+                                   scores=jnp.asarray([scores], jnp.float32))
+        cut, st2 = sched.refine(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True,
+                                tree=True, ordered=True)
+        return int(np.sum(np.asarray(cut.valid))), st2
+
+    assert width(st, [-1.0] * 4)[0] == 0  # no scores: the history's poor estimates, the draft is not verified
+    n, st2 = width(st, [0.9, 0.05, 0.9, 0.05])
+    # ratio (0 + 1) / (0 + 1) = 1: node values 0.9, 0.05, 0.81, 0.0025; Theta = 1.9 / 1.3 at one node beats
+    # 1.95 / 1.5 and 2.76 / 2.2 (the history's own: 1.27 / 1.3, under a plain round's 1 + margin)
+    assert n == 1
+    np.testing.assert_allclose(np.asarray(st2.last_scores), [[0.9, 0.05, 0.9, 0.05]], rtol=1e-6)
+    # the row's high bin realised 0.9 of the 5.4 its scores expected: ratio (0.9 + 1) / (5.4 + 1) = 0.297
+    low = dataclasses.replace(st, score_expected=jnp.asarray([[[0.0, 5.4]]]),
+                              score_realised=jnp.asarray([[[0.0, 0.9]]]))
+    assert width(low, [0.9, 0.05, 0.9, 0.05])[0] == 0
+    np.testing.assert_allclose(np.asarray(sched.scored_acceptance(low, jnp.asarray([0]), jnp.asarray([[0.9, 0.3]]))),
+                               [[0.9 * 1.9 / 6.4, 0.3]], rtol=1e-5)
+
+
+def test_node_scores_are_calibrated_by_the_nodes_observed():
+    """`observe` adds each scored node whose parent was accepted to its score bin: its score to the expected
+    acceptances, 1 to the realised ones if it was accepted; the counts decay per observation."""
+    sched = AdaptiveWidth(decay=0.5, tree_value="nodes", score_bins=(0.5,))
+    st = sched.init_state(1, 4, ((1.0, 1.0), 0.0))
+    parents = jnp.asarray([[-1, -1, 0, 1]], jnp.int32)
+    valid = jnp.ones((1, 4), bool)
+    st = dataclasses.replace(st, last_drafted_levels=valid, last_drafted=jnp.asarray(True),
+                             last_scores=jnp.asarray([[0.8, 0.3, 0.6, -1.0]]),
+                             score_expected=jnp.asarray([[[2.0, 4.0]]]), score_realised=jnp.asarray([[[1.0, 2.0]]]))
+    # accepted path: node 0 then node 2; node 1 observed and rejected; node 3 (under node 1) not observed
+    path = jnp.asarray([[0, 2, -1, -1]], jnp.int32)
+    st = sched.observe(st, valid, jnp.asarray([2]), jnp.asarray([True]), path=path, parents=parents)
+    # low bin: node 1 (0.3, rejected), decay 0.5 once; high bin: nodes 0 and 2 (0.8 + 0.6, both accepted), 0.25
+    np.testing.assert_allclose(np.asarray(st.score_expected), [[[2.0 * 0.5 + 0.3, 4.0 * 0.25 + 1.4]]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(st.score_realised), [[[1.0 * 0.5, 2.0 * 0.25 + 2.0]]], rtol=1e-6)
+    for bad in ("0.5/0.2", (0.0, 0.5), "x"):
+        with pytest.raises(ValueError, match="score_bins"):
+            AdaptiveWidth(score_bins=bad)
+
+
 def test_observe_counts_reached_and_accepted_positions():
     sched = AdaptiveWidth(decay=0.5)
     st = sched.init_state(2, 3, ((1.0, 1.0), 0.0))

@@ -323,6 +323,17 @@ def test_tree_of_one_branch_is_the_greedy_chain_and_trees_are_lossless():
     assert np.asarray(wide.valid).all() and (parents < np.arange(6)).all()  # topologically ordered
     np.testing.assert_array_equal(np.asarray(wide.tokens)[:, 0], tokens[:, 0])  # the best root child comes first
     assert (parents != np.arange(6) - 1).any()  # branches, not a chain
+    # each node's score is q of its token at its parent (`Draft.scores`): siblings share one distribution, so
+    # their scores sum to at most 1, and the best-first order puts the root's likeliest child first
+    scores = np.asarray(wide.scores)
+    assert ((scores > 0) & (scores <= 1)).all()
+    for row in range(3):
+        for p in range(-1, 6):
+            assert scores[row, parents[row] == p].sum() <= 1 + 1e-5
+        assert scores[row, 0] == scores[row, parents[row] == -1].max()
+    u = chain.head_logits(chain.params, hidden)[:, 0]
+    first = jax.nn.softmax(chain.next_logits(chain.params, u[:, None], root[:, None])[:, 0], axis=-1).max(-1)
+    np.testing.assert_allclose(np.asarray(line.scores)[:, 0], np.asarray(first), rtol=1e-5)
 
     ar = generate(target, PROMPTS, max_new_tokens=17)
     for policy in ("greedy_tree", "multidraft_tree"):

@@ -91,6 +91,11 @@ def test_rows_that_copy_verify_the_lookup_branch_beside_the_models_best_nodes():
         if sampling.greedy:
             assert draft.probs is None
             greedy = draft
+            # the model's node scores ride along; the lookup's nodes carry none (-1)
+            want = np.concatenate([[-1.0, -1.0], np.asarray(alone.scores[0, :4])])
+            np.testing.assert_allclose(draft.scores[0], want, rtol=1e-6)
+            np.testing.assert_allclose(draft.scores[1], alone.scores[1], rtol=1e-6)
+            assert (np.asarray(draft.scores[2]) == -1).all()
         else:
             np.testing.assert_array_equal(draft.probs[0, :2], jax.nn.one_hot(jnp.asarray([7, 8]),
                                                                              target.cfg.vocab_size))
@@ -127,6 +132,11 @@ def test_greedy_output_equals_ar_at_fixed_and_adaptive_width(model):
     adaptive = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=40,
                                     verify_buckets="auto", scheduler=AdaptiveWidth(costs=(costs, 0.05)))
     assert adaptive.tokens == ar
+    if drafter.kind == "tree":  # valued per node, by the model's node scores where it drafted
+        scored = AdaptiveWidth(costs=(costs, 0.05), tree_value="nodes", score_bins=(0.3, 0.7))
+        out = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=40,
+                                   verify_buckets="auto", scheduler=scored)
+        assert out.tokens == ar
 
 
 def test_sampled_output_is_target_distribution():
