@@ -323,8 +323,10 @@ class AdaptiveWidth:
 
     def _score_bin(self, scores: jax.Array) -> jax.Array:
         """int32, the bin of each score (`score_bins`)."""
-        return jnp.searchsorted(jnp.asarray(self.score_bins or (), jnp.float32), scores, side="right").astype(
-            jnp.int32) if self.score_bins else jnp.zeros(scores.shape, jnp.int32)
+        if not self.score_bins:
+            return jnp.zeros(scores.shape, jnp.int32)
+        edges = jnp.asarray(self.score_bins, jnp.float32)
+        return jnp.searchsorted(edges, scores, side="right").astype(jnp.int32)
 
     def scored_acceptance(self, st: AdaptiveState, evidence: jax.Array, scores: jax.Array) -> jax.Array:
         """[B, N]: each node's score times its row's realised / expected acceptance in the score's bin and the
@@ -586,14 +588,6 @@ class AdaptiveWidth:
             hit = reached & on_path
         in_class = jax.nn.one_hot(st.last_class, st.hits.shape[1], dtype=bool)[:, :, None]  # [B, C, 1]
         class_reached, class_hit = in_class & reached[:, None, :], in_class & hit[:, None, :]
-        # the scored nodes observed, by bin: [B, N, S] -> counts, expected and realised acceptances [B, C, S]
-        scored = reached & (st.last_scores >= 0)
-        in_bin = jax.nn.one_hot(self._score_bin(st.last_scores), self.num_score_bins, dtype=jnp.float32)
-        in_bin = in_bin * scored[:, :, None]
-        seen_bin = jnp.einsum("bns->bs", in_bin)[:, None, :] * in_class
-        exp_bin = jnp.einsum("bns,bn->bs", in_bin, jnp.maximum(st.last_scores, 0.0))[:, None, :] * in_class
-        hit_bin = jnp.einsum("bns,bn->bs", in_bin, hit.astype(jnp.float32))[:, None, :] * in_class
-        g_bin = self.decay ** seen_bin
         g_seen = jnp.where(class_reached, self.decay, 1.0)
         did = (st.last_drafted & active)[:, None]
         g_drafted = jnp.where(did, self.decay, 1.0)
@@ -610,8 +604,22 @@ class AdaptiveWidth:
             calib_expected=g_calib * st.calib_expected + jnp.where(checked, st.round_expected, 0.0),
             calib_realised=g_calib * st.calib_realised + jnp.where(checked, realised, 0.0),
             hits=g_seen * st.hits + class_hit, reached=g_seen * st.reached + class_reached,
-            score_expected=g_bin * st.score_expected + exp_bin, score_realised=g_bin * st.score_realised + hit_bin,
-            drafted=g_drafted * st.drafted + (did & was_drafted), drafts=g_drafted * st.drafts + did)
+            drafted=g_drafted * st.drafted + (did & was_drafted), drafts=g_drafted * st.drafts + did,
+            **self._observe_scores(st, reached, hit, in_class))
+
+    def _observe_scores(self, st: AdaptiveState, reached, hit, in_class) -> dict:
+        """`score_bins`: the scored nodes observed this round, by bin ([B, N, S]), folded into each row's expected
+        (their scores) and realised (1 if accepted) acceptances of the draft's class [B, C, S], decayed per
+        observation. Nothing without `score_bins` (no node carries a score then)."""
+        if self.score_bins is None:
+            return {}
+        in_bin = jax.nn.one_hot(self._score_bin(st.last_scores), self.num_score_bins, dtype=jnp.float32)
+        in_bin = in_bin * (reached & (st.last_scores >= 0))[:, :, None]
+        seen = jnp.einsum("bns->bs", in_bin)[:, None, :] * in_class
+        expected = jnp.einsum("bns,bn->bs", in_bin, jnp.maximum(st.last_scores, 0.0))[:, None, :] * in_class
+        realised = jnp.einsum("bns,bn->bs", in_bin, hit.astype(jnp.float32))[:, None, :] * in_class
+        g = self.decay ** seen
+        return {"score_expected": g * st.score_expected + expected, "score_realised": g * st.score_realised + realised}
 
 
 def path_products(accept: jax.Array, parents: jax.Array) -> jax.Array:
