@@ -211,7 +211,9 @@ class AdaptiveWidth:
     # `speculative_generate` decodes); "throughput": by the tokens it commits over all rows (a server that refills
     # finished rows). See the module docstring.
     objective: str = "makespan"
-    reprofile: bool = False  # measure the round costs again even if cached
+    # Measure the round costs again even if cached, once per process (a sitting): the widths' cost ratios drift
+    # ~10% within an hour on a shared VM, and a stale profile over-verifies (docs/BENCHMARKS.md sessions 39-40).
+    reprofile: bool = False
     # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
     # replay a run with another machine's costs, or in tests. None: measure (cached).
     costs: tuple[tuple[float, ...], float] | None = None
@@ -709,14 +711,22 @@ def measure_round_costs(run_forced, num_widths: int, repeats: int = 3, time_draf
     return round_cost, max(median[num_widths] - round_cost[0], 0.0)
 
 
+_REPROFILED: set[tuple[str, str]] = set()  # (cache file, key) measured again in this process (`reprofile`)
+
+
 def load_or_measure_round_costs(key: str, measure, path=None, reprofile: bool = False):
-    """(round_cost, draft_cost) for `key`, from the JSON cache or measured by `measure()` (then cached)."""
+    """(round_cost, draft_cost) for `key`, from the JSON cache or measured by `measure()` (then cached).
+    `reprofile`: measured again the first time this process asks for `key`, then taken from the cache, so every
+    run of a benchmark sitting uses the same fresh profile."""
     file = Path(path) if path else default_cost_path()
+    again = reprofile and (str(file), key) not in _REPROFILED
 
     def timed():
         t0 = time.perf_counter()
         round_cost, draft_cost = measure()
         return {"round_cost": round_cost, "draft_cost": draft_cost, "measured_seconds": time.perf_counter() - t0}
 
-    entry = cached_measurement(file, key, timed, "scheduler.cost_path", reprofile)
+    entry = cached_measurement(file, key, timed, "scheduler.cost_path", again)
+    if again:
+        _REPROFILED.add((str(file), key))
     return tuple(entry["round_cost"]), float(entry["draft_cost"])

@@ -172,7 +172,7 @@ class SchedulerConfig:
     # "adaptive": "makespan" (a static batch ends with its last row) or "throughput" (a server refilling rows)
     objective: Literal["makespan", "throughput"] = "makespan"
     cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
-    reprofile: bool = False  # "adaptive": measure the round costs again even if cached
+    reprofile: bool = False  # "adaptive": measure the round costs again (once per process) even if cached
     slow_start: bool = False  # "adaptive": a row values draft positions up to twice its deepest accepted one
     # "adaptive": a best-first tree's prefix valued by the "levels" it reaches or by its "nodes" (breadth counts)
     tree_value: Literal["levels", "nodes"] = "levels"
