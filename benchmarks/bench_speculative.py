@@ -16,6 +16,9 @@ back to back; reversed on odd passes), because this VM's speed drifts by up to ~
 are kept in the JSON as `speedup_by_pass`), printed with its distribution-free 90% interval when R >= 5
 (`speedup_interval`, `benchmarks.common.median_interval`): a category whose interval lies above 0.97 does not
 lose, one whose interval spans it is not resolved by R passes.
+Under each adaptive row (scheduler=adaptive) it prints the cost model's check: the round costs per verify width
+that its timed calls imply (`specdec.adaptive.fit_round_costs`, with standard errors) beside the profile they
+ran with; `reprofile=true` in a drafter spec re-measures that profile once for the run instead of using the cache.
 Every call runs with `warmup=True` (the same compiled programs first run for 2 tokens, untimed), so timings
 exclude compilation. The suffix drafter's global corpus is cleared at the start of each pass of each (subset,
 batch): within it, it holds the outputs of the earlier prompts (batch 1) / earlier-finished rows (batch 8) of
@@ -52,6 +55,7 @@ from benchmarks.common import (DEFAULT_DATA, QUICKSTART_SUBSETS, SUBSETS, Drafte
                                write_json)
 from drafters import create_drafter
 from specdec import trees
+from specdec.adaptive import fit_round_costs
 from specdec.engine import speculative_generate
 from specdec.generate import cache_capacity, generate
 from specdec.metrics import DecodeMetrics, merge, speedup
@@ -177,10 +181,14 @@ def main(argv=None) -> dict:
             for spec in specs:
                 tokens, m = merged(passes, spec)
                 by_pass = [speedup(p["AR"][1], p[spec][1]) for p in passes]
+                fit = fit_round_costs([call for p in passes for call in p[spec][2]]) if spec.scheduler else None
                 rows.append({**base, "method": spec.label, "policy": spec.policy_for(drafters[spec]),
                              **_row(m, ar, tokens, ar_tokens), "speedup": float(np.median(by_pass)),
-                             "speedup_interval": median_interval(by_pass), "speedup_by_pass": by_pass})
+                             "speedup_interval": median_interval(by_pass), "speedup_by_pass": by_pass,
+                             "cost_fit": fit})
                 print(_line(rows[-1]), flush=True)
+                if fit:
+                    print("          " + _fit_line(fit), flush=True)
             summary["rows"].extend(rows)
         if not args.skip_transformers:
             gguf = registry.resolve(args.model)
@@ -220,8 +228,9 @@ def interleaved_passes(target: Target, specs, drafters, groups, max_new: int, re
     """`repeats` passes; in each, every group of prompts is decoded by AR and then by each drafter, back to back
     (odd passes in the reverse order). This VM's speed drifts by up to ~25% within minutes, so AR and the
     drafter are timed seconds apart on the same prompts, never one whole subset after the other.
-    Returns, per pass, method ("AR" or a DrafterSpec) -> (tokens, merged metrics). The suffix drafter's global
-    corpus is cleared at the start of each pass (a later pass must not find this pass's answers in it)."""
+    Returns, per pass, method ("AR" or a DrafterSpec) -> (tokens, merged metrics, each call's metrics). The suffix
+    drafter's global corpus is cleared at the start of each pass (a later pass must not find this pass's answers
+    in it)."""
     methods = ["AR", *specs]
     passes = []
     for r in range(repeats):
@@ -235,7 +244,7 @@ def interleaved_passes(target: Target, specs, drafters, groups, max_new: int, re
                                                m.buckets, m.make_scheduler(), clear=g == 0)
                 got[m][0].extend(tokens)
                 got[m][1].append(metrics)
-        passes.append({m: (tokens, merge(ms)) for m, (tokens, ms) in got.items()})
+        passes.append({m: (tokens, merge(ms), ms) for m, (tokens, ms) in got.items()})
     return passes
 
 
@@ -257,6 +266,18 @@ def _row(m, ar, tokens, ar_tokens) -> dict:
             "predicted_tok_s": m.predicted_tokens_per_second if m.predicted_seconds else None,
             "width_rounds": m.width_rounds or None, "expected_accepted": m.expected_accepted,
             "realised_accepted": m.realised_accepted}
+
+
+def _fit_line(fit: dict) -> str:
+    """The cost model's check (`specdec.adaptive.fit_round_costs`): the costs the timed calls imply against the
+    profile they ran with, as multiples of a plain round."""
+    def ratio(value, err):
+        return "-" if value is None else f"{value:.2f}+-{err:.2f}"
+    fitted = " / ".join(ratio(v, e) for v, e in zip(fit["ratios"], fit["ratios_stderr"]))
+    profile = " / ".join(f"{v:.2f}" for v in fit["profile_ratios"])
+    return (f"round costs by width over C(0), fitted on {fit['runs']} calls: {fitted} (profile {profile}); "
+            f"a draft not verified {ratio(fit['draft'], fit['draft_stderr'])} (profile {fit['profile_draft']:.2f}); "
+            f"a plain round {fit['plain']:.2f}x the profile's")
 
 
 def _line(r: dict) -> str:

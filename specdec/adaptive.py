@@ -711,6 +711,47 @@ def measure_round_costs(run_forced, num_widths: int, repeats: int = 3, time_draf
     return round_cost, max(median[num_widths] - round_cost[0], 0.0)
 
 
+def fit_round_costs(runs) -> dict | None:
+    """The round costs that timed runs imply, beside the profile they ran with: a check of the cost model.
+
+    Least squares of each run's decode seconds, in units of its own C(0) (a warmed-up run rescales the profile to
+    the machine's speed), on its loop iterations per verify width and its drafted iterations that verified
+    nothing. `runs`: DecodeMetrics of adaptive runs with one set of verify widths, one per call (merged runs mix
+    their rescalings). Returns None with no more runs than unknowns, else {"plain": the fitted C(0) over the
+    profile's, "ratios" / "ratios_stderr": fitted C(W) / C(0) per width (None for a width no run chose),
+    "draft" / "draft_stderr": the fitted cost a drafted round that verifies nothing adds, over C(0) (None if
+    none did, or if every width-0 round drafted: then C(0) includes it), "profile_ratios", "profile_draft",
+    "runs"}. Session 40 (docs/BENCHMARKS.md): a fit of 48 runs priced the widths within ~4% of the profile and
+    an unverified draft at ~2.6x the profile's draft cost."""
+    runs = [m for m in runs if m.width_rounds and m.round_costs]
+    if not runs:
+        return None
+    if len({tuple(m.verify_widths) for m in runs}) != 1:
+        raise ValueError("fit_round_costs: the runs have different verify widths; fit each set apart")
+    counts = np.asarray([[*m.width_rounds, sum(m.width_rounds) - m.skipped_drafts - sum(m.width_rounds[1:])]
+                         for m in runs], float)
+    seconds = np.asarray([m.decode_seconds / m.round_costs[0] for m in runs])
+    cols = np.flatnonzero(counts.sum(axis=0) > 0)
+    if np.linalg.matrix_rank(counts[:, cols]) < len(cols):  # a drafter that drafts every round (not skippable):
+        cols = cols[cols < counts.shape[1] - 1]  # its unverified drafts are its width-0 rounds, priced as those
+    if counts[:, 0].sum() == 0 or len(runs) <= len(cols):
+        return None
+    x = counts[:, cols]
+    sol = np.linalg.lstsq(x, seconds, rcond=None)[0]
+    resid = seconds - x @ sol
+    stderr = np.sqrt(np.diag(resid @ resid / (len(runs) - len(cols)) * np.linalg.pinv(x.T @ x)))
+    fitted, err = [None] * counts.shape[1], [None] * counts.shape[1]
+    for i, c in enumerate(cols):
+        fitted[c], err[c] = float(sol[i]), float(stderr[i])
+    plain = fitted[0]
+    rel = [None if f is None else f / plain for f in fitted]
+    rel_err = [None if e is None else e / plain for e in err]
+    profile = runs[0]
+    return {"plain": plain, "ratios": rel[:-1], "ratios_stderr": rel_err[:-1], "draft": rel[-1],
+            "draft_stderr": rel_err[-1], "profile_ratios": [c / profile.round_costs[0] for c in profile.round_costs],
+            "profile_draft": (profile.draft_cost or 0.0) / profile.round_costs[0], "runs": len(runs)}
+
+
 _REPROFILED: set[tuple[str, str]] = set()  # (cache file, key) measured again in this process (`reprofile`)
 
 

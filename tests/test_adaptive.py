@@ -832,3 +832,45 @@ def test_replay_prices_the_chosen_rounds_deterministically():
     priced = sum(n * c for n, c in zip(cheap["width_rounds"], (1.0, 1.01, 1.02, 1.03)))
     assert cheap["predicted_seconds"] == pytest.approx(priced, abs=1e-4 * sum(cheap["width_rounds"]))
     assert cheap["accepted"] > 0 and cheap["tau"] > 1 and cheap["predicted_speedup"] > 1, cheap
+
+
+def test_fit_round_costs_recovers_the_costs_the_runs_paid():
+    """`fit_round_costs` (the cost model's check in bench_speculative): from runs whose decode seconds follow
+    known costs per width and per unverified draft, in units of each run's own (rescaled) C(0), it recovers them;
+    a width no run chose is None; too few runs give None; mixed verify widths are a clear error."""
+    from benchmarks.bench_speculative import _fit_line
+    from specdec.metrics import DecodeMetrics
+
+    true_ratios, true_draft = [1.0, 1.5, 1.62, 1.9], 0.2
+    rng = np.random.default_rng(0)
+    runs = []
+    for i in range(12):
+        c0 = 0.03 * (1 + 0.1 * rng.standard_normal())  # each run rescaled to the machine's speed then
+        counts = [int(rng.integers(5, 60)), 0, int(rng.integers(0, 30)), int(rng.integers(0, 30))]
+        unverified = int(rng.integers(0, min(5, counts[0]) + 1))
+        skipped = counts[0] - unverified
+        seconds = c0 * (float(np.dot(counts, true_ratios)) + unverified * true_draft)
+        runs.append(DecodeMetrics(new_tokens=64, rounds=sum(counts), accepted_draft_tokens=0, proposed_draft_tokens=0,
+                                  prefill_seconds=0.0, decode_seconds=seconds, verify_widths=[0, 1, 3, 7],
+                                  width_rounds=counts, skipped_drafts=skipped, predicted_seconds=seconds,
+                                  round_costs=[c0, 1.4 * c0, 1.5 * c0, 1.7 * c0], draft_cost=0.1 * c0))
+    fit = adaptive.fit_round_costs(runs)
+    assert fit["runs"] == 12 and fit["plain"] == pytest.approx(1.0)
+    assert fit["ratios"][1] is None and fit["ratios_stderr"][1] is None
+    for got, want in zip([fit["ratios"][i] for i in (0, 2, 3)], [1.0, 1.62, 1.9]):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert fit["draft"] == pytest.approx(true_draft, rel=1e-6)
+    assert fit["profile_ratios"] == pytest.approx([1.0, 1.4, 1.5, 1.7]) and fit["profile_draft"] == pytest.approx(0.1)
+    assert "1.62+-0.00" in _fit_line(fit) and "(profile 0.10)" in _fit_line(fit)
+
+    # a drafter that drafts every round: each width-0 round is an unverified draft, priced within C(0)
+    always = [dataclasses.replace(m, skipped_drafts=0, decode_seconds=m.round_costs[0] * (
+        float(np.dot(m.width_rounds, true_ratios)) + m.width_rounds[0] * true_draft)) for m in runs]
+    fit = adaptive.fit_round_costs(always)
+    assert fit["draft"] is None and fit["plain"] == pytest.approx(1.0 + true_draft)
+    assert fit["ratios"][3] == pytest.approx(1.9 / 1.2, rel=1e-6)
+
+    assert adaptive.fit_round_costs(runs[:3]) is None  # 3 runs, 4 unknowns
+    other = dataclasses.replace(runs[0], verify_widths=[0, 2, 7], width_rounds=[3, 4, 5], round_costs=[1.0, 1.5, 2.0])
+    with pytest.raises(ValueError, match="different verify widths"):
+        adaptive.fit_round_costs(runs + [other])
