@@ -181,7 +181,7 @@ def main(argv=None) -> dict:
             for spec in specs:
                 tokens, m = merged(passes, spec)
                 by_pass = [speedup(p["AR"][1], p[spec][1]) for p in passes]
-                fit = fit_round_costs([call for p in passes for call in p[spec][2]]) if spec.scheduler else None
+                fit = fit_round_costs([call for p in passes for call in p[spec][2]])  # None unless adaptive
                 rows.append({**base, "method": spec.label, "policy": spec.policy_for(drafters[spec]),
                              **_row(m, ar, tokens, ar_tokens), "speedup": float(np.median(by_pass)),
                              "speedup_interval": median_interval(by_pass), "speedup_by_pass": by_pass,

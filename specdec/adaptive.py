@@ -728,8 +728,7 @@ def fit_round_costs(runs) -> dict | None:
         return None
     if len({tuple(m.verify_widths) for m in runs}) != 1:
         raise ValueError("fit_round_costs: the runs have different verify widths; fit each set apart")
-    counts = np.asarray([[*m.width_rounds, sum(m.width_rounds) - m.skipped_drafts - sum(m.width_rounds[1:])]
-                         for m in runs], float)
+    counts = np.asarray([[*m.width_rounds, m.width_rounds[0] - m.skipped_drafts] for m in runs], float)
     seconds = np.asarray([m.decode_seconds / m.round_costs[0] for m in runs])
     cols = np.flatnonzero(counts.sum(axis=0) > 0)
     if np.linalg.matrix_rank(counts[:, cols]) < len(cols):  # a drafter that drafts every round (not skippable):

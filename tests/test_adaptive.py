@@ -844,7 +844,7 @@ def test_fit_round_costs_recovers_the_costs_the_runs_paid():
     true_ratios, true_draft = [1.0, 1.5, 1.62, 1.9], 0.2
     rng = np.random.default_rng(0)
     runs = []
-    for i in range(12):
+    for _ in range(12):
         c0 = 0.03 * (1 + 0.1 * rng.standard_normal())  # each run rescaled to the machine's speed then
         counts = [int(rng.integers(5, 60)), 0, int(rng.integers(0, 30)), int(rng.integers(0, 30))]
         unverified = int(rng.integers(0, min(5, counts[0]) + 1))
