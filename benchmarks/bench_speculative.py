@@ -270,14 +270,14 @@ def _row(m, ar, tokens, ar_tokens) -> dict:
 
 def _fit_line(fit: dict) -> str:
     """The cost model's check (`specdec.adaptive.fit_round_costs`): the costs the timed calls imply against the
-    profile they ran with, as multiples of a plain round."""
+    profile they ran with, as multiples of the profile's plain round."""
     def ratio(value, err):
         return "-" if value is None else f"{value:.2f}+-{err:.2f}"
     fitted = " / ".join(ratio(v, e) for v, e in zip(fit["ratios"], fit["ratios_stderr"]))
     profile = " / ".join(f"{v:.2f}" for v in fit["profile_ratios"])
-    return (f"round costs by width over C(0), fitted on {fit['runs']} calls: {fitted} (profile {profile}); "
-            f"a draft not verified {ratio(fit['draft'], fit['draft_stderr'])} (profile {fit['profile_draft']:.2f}); "
-            f"a plain round {fit['plain']:.2f}x the profile's")
+    return (f"round costs by width over the profile's C(0), fitted on {fit['runs']} calls: {fitted} (profile "
+            f"{profile}); a draft not verified {ratio(fit['draft'], fit['draft_stderr'])} (profile "
+            f"{fit['profile_draft']:.2f})")
 
 
 def _line(r: dict) -> str:

@@ -718,11 +718,14 @@ def fit_round_costs(runs) -> dict | None:
     the machine's speed), on its loop iterations per verify width and its drafted iterations that verified
     nothing. `runs`: DecodeMetrics of adaptive runs with one set of verify widths, one per call (merged runs mix
     their rescalings). Returns None with no more runs than unknowns, else {"plain": the fitted C(0) over the
-    profile's, "ratios" / "ratios_stderr": fitted C(W) / C(0) per width (None for a width no run chose),
-    "draft" / "draft_stderr": the fitted cost a drafted round that verifies nothing adds, over C(0) (None if
-    none did, or if every width-0 round drafted: then C(0) includes it), "profile_ratios", "profile_draft",
-    "runs"}. Session 40 (docs/BENCHMARKS.md): a fit of 48 runs priced the widths within ~4% of the profile and
-    an unverified draft at ~2.6x the profile's draft cost."""
+    profile's, "ratios" / "ratios_stderr": fitted C(W) over the profile's C(0) per width (None for a width no
+    run chose), "draft" / "draft_stderr": the fitted cost a drafted round that verifies nothing adds, over the
+    profile's C(0) (None if none did, or if every width-0 round drafted: then C(0) includes it),
+    "profile_ratios", "profile_draft", "runs"}. Every figure is in the unit the seconds were divided by, the
+    profile's C(0), never over the fitted C(0): where the runs hold few plain rounds (GSM8K: ~2 per call) that
+    one is barely determined, and dividing by it turned a session-41 fit into negative ratios. Session 40
+    (docs/BENCHMARKS.md): a fit of 48 runs priced the widths within ~4% of the profile and an unverified draft
+    at ~2.6x the profile's draft cost."""
     runs = [m for m in runs if m.width_rounds and m.round_costs]
     if not runs:
         return None
@@ -738,16 +741,14 @@ def fit_round_costs(runs) -> dict | None:
     x = counts[:, cols]
     sol = np.linalg.lstsq(x, seconds, rcond=None)[0]
     resid = seconds - x @ sol
-    stderr = np.sqrt(np.diag(resid @ resid / (len(runs) - len(cols)) * np.linalg.pinv(x.T @ x)))
+    variance = np.diag(resid @ resid / (len(runs) - len(cols)) * np.linalg.pinv(x.T @ x))
+    stderr = np.sqrt(np.maximum(variance, 0.0))  # a nearly collinear fit can round a variance below 0
     fitted, err = [None] * counts.shape[1], [None] * counts.shape[1]
     for i, c in enumerate(cols):
         fitted[c], err[c] = float(sol[i]), float(stderr[i])
-    plain = fitted[0]
-    rel = [None if f is None else f / plain for f in fitted]
-    rel_err = [None if e is None else e / plain for e in err]
     profile = runs[0]
-    return {"plain": plain, "ratios": rel[:-1], "ratios_stderr": rel_err[:-1], "draft": rel[-1],
-            "draft_stderr": rel_err[-1], "profile_ratios": [c / profile.round_costs[0] for c in profile.round_costs],
+    return {"plain": fitted[0], "ratios": fitted[:-1], "ratios_stderr": err[:-1], "draft": fitted[-1],
+            "draft_stderr": err[-1], "profile_ratios": [c / profile.round_costs[0] for c in profile.round_costs],
             "profile_draft": (profile.draft_cost or 0.0) / profile.round_costs[0], "runs": len(runs)}
 
 

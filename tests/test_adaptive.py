@@ -868,7 +868,21 @@ def test_fit_round_costs_recovers_the_costs_the_runs_paid():
         float(np.dot(m.width_rounds, true_ratios)) + m.width_rounds[0] * true_draft)) for m in runs]
     fit = adaptive.fit_round_costs(always)
     assert fit["draft"] is None and fit["plain"] == pytest.approx(1.0 + true_draft)
-    assert fit["ratios"][3] == pytest.approx(1.9 / 1.2, rel=1e-6)
+    assert fit["ratios"][3] == pytest.approx(1.9, rel=1e-6)  # over the profile's C(0), not the fitted one
+
+    # runs of ~2 plain rounds each (GSM8K's): C(0) is barely determined, so every figure stays over the profile's
+    # C(0) (session 41: divided by a fitted C(0) near 0, a real fit printed negative ratios and errors)
+    rng = np.random.default_rng(1)
+    few = []
+    for _ in range(24):
+        counts = [int(rng.integers(1, 4)), 0, int(rng.integers(0, 8)), int(rng.integers(20, 30))]
+        seconds = 0.025 * float(np.dot(counts, true_ratios)) * (1 + 0.03 * rng.standard_normal())
+        few.append(dataclasses.replace(runs[0], width_rounds=counts, skipped_drafts=counts[0], decode_seconds=seconds,
+                                       round_costs=[0.025, 0.035, 0.0375, 0.0425]))
+    fit = adaptive.fit_round_costs(few)
+    assert fit["ratios_stderr"][0] > 0.2  # the plain round: hardly constrained by these runs
+    assert abs(fit["ratios"][3] - 1.9) < 4 * fit["ratios_stderr"][3] < 0.2  # the width they mostly ran: priced
+    assert all(e >= 0 for e in fit["ratios_stderr"] if e is not None)
 
     assert adaptive.fit_round_costs(runs[:3]) is None  # 3 runs, 4 unknowns
     other = dataclasses.replace(runs[0], verify_widths=[0, 2, 7], width_rounds=[3, 4, 5], round_costs=[1.0, 1.5, 2.0])
