@@ -717,11 +717,11 @@ def fit_round_costs(runs) -> dict | None:
     Least squares of each run's decode seconds, in units of its own C(0) (a warmed-up run rescales the profile to
     the machine's speed), on its loop iterations per verify width and its drafted iterations that verified
     nothing. `runs`: DecodeMetrics of adaptive runs with one set of verify widths, one per call (merged runs mix
-    their rescalings). Returns None with no more runs than unknowns, else {"plain": the fitted C(0) over the
-    profile's, "ratios" / "ratios_stderr": fitted C(W) over the profile's C(0) per width (None for a width no
-    run chose), "draft" / "draft_stderr": the fitted cost a drafted round that verifies nothing adds, over the
-    profile's C(0) (None if none did, or if every width-0 round drafted: then C(0) includes it),
-    "profile_ratios", "profile_draft", "runs"}. Every figure is in the unit the seconds were divided by, the
+    their rescalings). Returns None with no more runs than unknowns, else {"ratios" / "ratios_stderr": fitted
+    C(W) over the profile's C(0) per width (the first: the plain round's; None for a width no run chose),
+    "draft" / "draft_stderr": the fitted cost a drafted round that verifies nothing adds, over the profile's
+    C(0) (None if none did, or if every width-0 round drafted: then C(0) includes it), "profile_ratios",
+    "profile_draft", "runs"}. Every figure is in the unit the seconds were divided by, the
     profile's C(0), never over the fitted C(0): where the runs hold few plain rounds (GSM8K: ~2 per call) that
     one is barely determined, and dividing by it turned a session-41 fit into negative ratios. Session 40
     (docs/BENCHMARKS.md): a fit of 48 runs priced the widths within ~4% of the profile and an unverified draft
@@ -747,7 +747,7 @@ def fit_round_costs(runs) -> dict | None:
     for i, c in enumerate(cols):
         fitted[c], err[c] = float(sol[i]), float(stderr[i])
     profile = runs[0]
-    return {"plain": fitted[0], "ratios": fitted[:-1], "ratios_stderr": err[:-1], "draft": fitted[-1],
+    return {"ratios": fitted[:-1], "ratios_stderr": err[:-1], "draft": fitted[-1],
             "draft_stderr": err[-1], "profile_ratios": [c / profile.round_costs[0] for c in profile.round_costs],
             "profile_draft": (profile.draft_cost or 0.0) / profile.round_costs[0], "runs": len(runs)}
 

@@ -855,7 +855,7 @@ def test_fit_round_costs_recovers_the_costs_the_runs_paid():
                                   width_rounds=counts, skipped_drafts=skipped, predicted_seconds=seconds,
                                   round_costs=[c0, 1.4 * c0, 1.5 * c0, 1.7 * c0], draft_cost=0.1 * c0))
     fit = adaptive.fit_round_costs(runs)
-    assert fit["runs"] == 12 and fit["plain"] == pytest.approx(1.0)
+    assert fit["runs"] == 12 and fit["ratios"][0] == pytest.approx(1.0)
     assert fit["ratios"][1] is None and fit["ratios_stderr"][1] is None
     for got, want in zip([fit["ratios"][i] for i in (0, 2, 3)], [1.0, 1.62, 1.9]):
         assert got == pytest.approx(want, rel=1e-6)
@@ -867,7 +867,7 @@ def test_fit_round_costs_recovers_the_costs_the_runs_paid():
     always = [dataclasses.replace(m, skipped_drafts=0, decode_seconds=m.round_costs[0] * (
         float(np.dot(m.width_rounds, true_ratios)) + m.width_rounds[0] * true_draft)) for m in runs]
     fit = adaptive.fit_round_costs(always)
-    assert fit["draft"] is None and fit["plain"] == pytest.approx(1.0 + true_draft)
+    assert fit["draft"] is None and fit["ratios"][0] == pytest.approx(1.0 + true_draft)
     assert fit["ratios"][3] == pytest.approx(1.9, rel=1e-6)  # over the profile's C(0), not the fitted one
 
     # runs of ~2 plain rounds each (GSM8K's): C(0) is barely determined, so every figure stays over the profile's
