@@ -2,101 +2,73 @@
 
 A round at verify width W (draft nodes run through the target; 0 = a plain one-token decode step that skips
 the draft) costs C(W) seconds on this machine, backend, model, batch size and cache capacity, and commits
-g_b(W) = 1 + (accepted drafts) tokens to row b, never more than the r_b tokens the row has left. The adaptive
-width picks, every round, the W of the engine's verify buckets that maximises one of two objectives
-(`objective`):
+g_b(W) = 1 + (accepted drafts) tokens to row b, never more than the r_b tokens the row has left. Every round the
+adaptive width picks the W of the loop's verify buckets that maximises (`objective`)
 
     makespan (default):  Theta(W) = min_b E[min(g_b(W), r_b)] / r_b / C(W)    over the active rows
     throughput:          Theta(W) = sum_b E[min(g_b(W), r_b)] / C(W)
 
-with E[g_b(W)] = 1 + sum_{j < W} P_b(position j is drafted and accepted). `speculative_generate` decodes a
-static batch: it ends when its last row does, so a round is worth what it advances the row that would finish
-last, the one with the most tokens left for its rate (makespan; with one row both objectives agree). Summing
-over the rows (throughput) is the objective of a server that refills finished rows; on a static batch it
-verified drafts accepted by rows that then idled until the slowest finished (GSM8K, batch 8: 141 accepted
-drafts per pass saved 3 of the batch's rounds, 0.91x AR; docs/BENCHMARKS.md session 12). The cap at r_b means
-a row one token from its limit gains nothing from a draft.
+with E[g_b(W)] = 1 + sum_{j < W} P_b(position j is drafted and accepted). A static batch ends when its last row
+does, so a round is worth what it advances the row that would finish last (makespan; with one row both objectives
+agree); summing over the rows is the objective of a server that refills finished rows (on a static batch it
+verified drafts for rows that then idled: 0.91x AR on GSM8K at batch 8).
 
 Inputs, both known before the target runs:
-- C(W): measured inside the compiled loop itself (`measure_round_costs`: the same program, forced to one width
-  per pass, draft and loop overhead included), cached per machine / model / backend / drafter / batch /
-  capacity in the specdec cache dir (`round_costs.json`), re-measured on request; a warmed-up run rescales the
-  cached costs to the machine's speed now (one fresh pass of plain rounds: `engine.round_costs`).
-- P_b: per-row running estimates from that row's own history (exponentially decayed counts, decayed when the
-  position is observed, so a row's estimates follow its text): the conditional acceptance of position j given
-  j-1 was accepted, and how often position j is drafted at all (an n-gram miss drafts nothing). The acceptance
-  counts are kept per evidence class of the draft (`Draft.evidence`: prompt lookup's and suffix decoding's match
-  length), since an 8-token match is accepted far more often than a one-token one.
-- Calibration: the per-row estimates are checked against what the rounds they chose realised. Each verified
-  round records, by draft position, the accepted drafts its estimates expected (summed over active rows,
-  uncalibrated) and the ones it accepted; the decayed ratio realised / expected (`calibration`, ratio 1 with
-  no evidence) scales the expected gains. The rounds that get verified are those whose noisy estimates looked
-  best (a winner's curse that grows with the batch: at batch 8 the summed estimates chose widths that lost 11%
-  on GSM8K, session 10), and the ratio measures that bias on exactly those rounds (one ratio for the whole
-  draft by default; `calibration_per_position` keeps one per depth). Batches of one row are not calibrated
-  (`calibration_min_batch`): there the row's own history is the feedback, and the ratio, updated only by
-  verified rounds, stayed low after a row's text turned copy-heavy (at batch 1 it cut n-gram's HumanEval tau
-  from 1.35 to 1.13). Its totals are reported (`expected_accepted`,
-  `realised_accepted` in the metrics), so a run shows how far its acceptance model was off.
-- Exploration: after `explore_every` (8) rounds in a row that verified nothing, one round verifies at the
-  narrowest non-zero width, so a row whose text turns copy-heavy is noticed. A verified round whose accepted
-  drafts do not pay for its width doubles that gap (up to `explore_max`, 64) and one that pays resets it, so on
-  text where drafts keep failing (open chat) exploring costs ~(C(1) - C(0)) / C(0) / 64 of a step instead of / 8
-  (~4% here at 8). (Until session 11 any accepted token reset the gap: at batch 8 some row nearly always accepts
-  one, so a tree drafter, whose narrowest width is the whole tree at ~2x a plain round, explored every 9th
-  round and lost 22% on GSM8K.) (Session 6 let unobserved counts drift back to the optimistic prior instead: on
-  open chat a third of the rounds then verified drafts accepted 11% of the time.) The gap is never shorter than
-  the exploring round's extra cost allows (`explore_budget`, 2% of the plain rounds' time: at batch 8 suffix
-  decoding's exploring round costs ~1.7 plain rounds, so it waits ~35 quiet rounds instead of 8).
+- C(W): measured in the compiled loop itself (specdec/costs.py: the same loop, forced to one width per pass,
+  draft and loop overhead included), cached per machine / model / backend / drafter / batch / capacity.
+- P_b: per-row running estimates from that row's own history (counts decayed when their position is observed,
+  so a row's estimates follow its text): the acceptance of position j given j-1 was accepted, and how often
+  position j is drafted at all (an n-gram miss drafts nothing), kept per evidence class of the draft
+  (`Draft.evidence`: prompt lookup's and suffix decoding's match length; an 8-token match is accepted far more
+  often than a one-token one).
+- Calibration: the rounds that get verified are those whose noisy estimates looked best, a winner's curse that
+  grows with the batch. Each verified round records the accepted drafts its estimates expected and the ones it
+  accepted; their decayed ratio scales every expected gain. A batch of one row is not calibrated: its own history
+  is its feedback, and a ratio updated only by verified rounds stays low after its text turns copy-heavy. The
+  totals are reported (`expected_accepted`, `realised_accepted`), so a run shows how far the model was off.
+- Exploration: after `explore_every` rounds in a row that verified nothing, one round verifies at the narrowest
+  non-zero width, so a row whose text turns copy-heavy is noticed. A verified round whose accepted drafts do not
+  pay for its width doubles that gap (up to `explore_max`) and one that pays resets it; the gap is never shorter
+  than the exploring round's extra cost allows (`explore_budget` of the plain rounds' time).
 
-A width > 0 must beat width 0 by `margin` (5%): the measured costs are good to a few percent, so a
-predicted gain smaller than that is as likely a loss.
+A width > 0 must beat width 0 by `margin`: the measured costs are good to a few percent, so a predicted gain
+smaller than that is as likely a loss.
 
-Two decisions per round:
-1. `plan`, before drafting, from the history alone: if W = 0 wins, the draft is skipped (drafters whose state
-   needs every proposal, `Drafter.skippable = False`, still draft, and verify nothing), unless the draft costs at
-   most `free_draft` of a plain round and `refine` will look at it: then it is always made (pure-JAX drafters
-   only: a host-side drafter's drafted round leaves the compiled bursts of plain rounds, `engine.adaptive_plan`).
+Two decisions per round (the Scheduler protocol, specdec/scheduler.py):
+1. `plan`, before drafting, from the history alone: if W = 0 wins the draft is skipped (drafters whose state
+   needs every proposal, `Drafter.skippable = False`, still draft and verify nothing), unless the draft costs at
+   most `free_draft` of a plain round and `refine` will look at it: then it is always made.
 2. `refine`, after drafting, for deterministic drafts (probs=None: n-gram, suffix, top-k trees) or greedy
    decoding: the actual draft lengths replace the drafted-rate estimates and the draft's cost is sunk, so W is
-   chosen again (down to 0). For drafts sampled at temperature > 0 the planned W stands. A tree is verified
-   whole or not at all, unless its nodes are in priority order (`Drafter.ordered_tree`: suffix decoding's
-   best-first tree), which may be cut to a prefix valued by the levels it reaches, or (`tree_value: nodes`) by
-   its nodes, each with its own history: a node's acceptance given its parent's. With `score_bins` a drafted
-   tree's nodes are valued instead by the drafter's own estimate (`Draft.scores`: a top-k tree's q of each
-   node's token at its parent), calibrated per row by what nodes of that score realised: the history says what
-   rounds like this one were worth, the draft says whether this one is (at batch 1 on open chat the history
-   expected 4.5x the accepted drafts that came; docs/BENCHMARKS.md session 39).
+   chosen again (down to 0); for drafts sampled at temperature > 0 the planned W stands. A tree is verified
+   whole or not at all, unless its nodes are in priority order (`Drafter.ordered_tree`), when a prefix may be
+   verified, valued by the levels it reaches or (`tree_value: nodes`) by its nodes, each with its own history.
+   With `score_bins` a drafted tree's nodes are valued by the drafter's own estimate (`Draft.scores`),
+   calibrated per row by what nodes of that score realised.
+The evidence for each default is in docs/DECISIONS.md.
 
 Why this is lossless: whether draft position j is verified depends only on the past (history counts, the
 calibration and the tokens each row has left, all from rounds already committed), the machine's costs and, in
-`refine`, on draft lengths, tree shapes and node scores that
-are deterministic functions of the committed context. It never depends on the sampled value of a draft token,
-so rejection sampling stays exact (the DSpark paper's appendix A shows what goes wrong otherwise;
-specdec/scheduling.py). Under greedy decoding any choice is exact.
+`refine`, on draft lengths, tree shapes and node scores that are deterministic functions of the committed
+context. It never depends on the sampled value of a draft token, so rejection sampling stays exact (the DSpark
+paper's appendix A shows what goes wrong otherwise; specdec/scheduling.py). Under greedy decoding any choice is
+exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import json
-import os
-import platform
-import sys
-import time
-from pathlib import Path
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec import trees
-from specdec.drafter import Drafter
-from specdec.scheduling import cache_root, cached_measurement
+from specdec import costs, trees
+from specdec.drafter import RoundContext
+from specdec.errors import require
+from specdec.scheduler import Scheduler, bucket_widths
 
-COST_FILE = "round_costs.json"
 
 
 @jax.tree_util.register_dataclass
@@ -111,10 +83,6 @@ class AdaptiveState:
     drafts: jax.Array  # rounds that drafted ([B, 1])
     round_cost: jax.Array  # float32 [K] seconds of a round at widths[k] (k = 0: no draft)
     draft_cost: jax.Array  # float32 [] seconds a draft adds to a round (sunk once drafted)
-    # profiling only (`measure_round_costs`): widths forced by index (-1 = chosen), every node up to W verified
-    force_plan: jax.Array  # int32 []
-    force_refine: jax.Array  # int32 []
-    force_valid: jax.Array  # bool []
     # what the round being verified drafted (set by `refine`, read by `observe`)
     last_drafted_levels: jax.Array  # bool [B, N] depths the drafter proposed, before the width cut
     last_drafted: jax.Array  # bool []
@@ -142,162 +110,170 @@ class AdaptiveState:
     calib_expected: jax.Array  # float32 [N]
     calib_realised: jax.Array  # float32 [N]
 
-    def forced(self, plan: int, refine: int, valid: bool = False) -> "AdaptiveState":
-        """This state with the plan and refine decisions forced to those indices into the verify widths (and,
-        with `valid`, every draft node treated as drafted): the cost profile and the warm-up run fixed widths."""
-        return dataclasses.replace(self, force_plan=jnp.asarray(plan, jnp.int32),
-                                   force_refine=jnp.asarray(refine, jnp.int32), force_valid=jnp.asarray(valid))
-
 
 @dataclasses.dataclass(frozen=True)
-class AdaptiveWidth:
-    """Static settings (hashable: part of the compiled loop's identity). Config `scheduler.kind: adaptive`."""
+class AdaptiveWidth(Scheduler):
+    """The adaptive verify width (the module docstring), config `scheduler.kind: adaptive`. Its fields are the
+    section's keys; static (hashable: part of the compiled loop's identity)."""
 
+    kind: ClassVar[str] = "adaptive"
+    may_skip: ClassVar[bool] = True
+
+    # Each knob's value and the measurement behind it: docs/DECISIONS.md.
     decay: float = 0.9  # decay of a history count each time its position is observed (memory ~ 10 observations)
     # Prior acceptance / drafted rate of a position with no history, in pseudo-rounds of weight `prior_weight`.
-    # Optimistic (1.0), so a row tries the draft from its first rounds; after that its own observations dominate,
-    # and `explore_every` (not the prior) makes a row that stopped verifying try again. Starting a fresh row from
-    # what the drafter's earlier requests realised instead measured worse (suffix on GSM8K: 1.16x -> 1.07x):
-    # acceptance varies more between prompts than between evidence classes (docs/BENCHMARKS.md session 21).
+    # Optimistic, so a row tries the draft from its first rounds; after that its own observations dominate, and
+    # exploration (not the prior) makes a row that stopped verifying try again. A fresh row starts from the prior,
+    # not from the drafter's earlier requests: acceptance varies more between prompts than between classes.
     prior: float = 1.0
     prior_weight: float = 1.0
-    # A deeper position's prior is the estimate of the position before it times this factor. With 1.0 (until
-    # session 23) a fresh class valued every depth of its first draft as it valued the first: all accepted, so
-    # its first rounds verified the widest draft, and on open chat at batch 1 n-gram's rounds expected 201
-    # accepted drafts where 36 came (0.95x AR, session 22). At 0.8 a fresh class's first 5-token draft is worth
-    # 1 + 0.8 + 0.51 + 0.26 + 0.11 accepted tokens, so it is tried at a narrower width, and widens as deeper
-    # positions are accepted. Replayed with fixed costs on 8 prompt sets at batch 1 (benchmarks/replay_adaptive.py,
-    # docs/BENCHMARKS.md session 23): n-gram's worst set 0.951x -> 0.982x AR, geomean 1.195x -> 1.263x; suffix
-    # decoding unchanged (0.979x -> 0.980x, 1.152x -> 1.151x); 0.6 cost suffix its copy-heavy sets.
+    # A deeper position's prior is the estimate of the position before it times this factor, so a fresh class's
+    # first draft is tried at a narrow width and widens as deeper positions are accepted (at 1.0 a fresh class
+    # valued every depth as its first and verified the widest draft on open chat).
     prior_depth: float = 0.8
-    explore_every: int = 8  # verify (the best width > 0) after this many rounds in a row that verified nothing
-    explore_max: int = 64  # the gap doubles after each verified round that accepted nothing, up to this
+    explore_every: int = 8  # verify (the narrowest width > 0) after this many rounds in a row that verified nothing
+    explore_max: int = 64  # the gap doubles after each verified round whose drafts did not pay, up to this
     # An exploring round costs C(narrowest) - C(0) more than a plain one; explore at most every
     # (C(narrowest) / C(0) - 1) / explore_budget rounds, so exploring spends at most this share of the plain
-    # rounds' time (within [explore_every, explore_max]). Suffix decoding at batch 8 explores at ~1.7 plain rounds
-    # (its Python draft of 8 rows plus a width-1 verify): every 8th round, that was 9% of the loop's time on open
-    # text at the start of a row, against ~2% for n-gram at batch 1 (C(1) ~ 1.35 C(0)). 0: no floor.
+    # rounds' time (within [explore_every, explore_max]; a batch-8 suffix round costs ~1.7 plain ones). 0: no floor.
     explore_budget: float = 0.02
     # Verify only if the expected tokens/s beat a plain step's by this factor: the costs are measured to a few
-    # percent, so a width predicted to win by less is as likely to lose (batch 8 picked such widths and lost 6%).
+    # percent, so a width predicted to win by less is as likely to lose.
     margin: float = 0.05
-    # Calibration of the acceptance model over the whole batch: the accepted drafts that verified rounds realised
-    # over the ones the per-row estimates expected for them (decayed by `calibration_decay` per verified round,
-    # starting from `calibration_weight` pseudo-tokens at ratio 1) scales every expected gain. The rounds that
-    # get verified are the ones whose estimates looked best, so their estimates are biased upwards (at batch 8
-    # the summed estimates chose widths that lost 11% on GSM8K); the ratio measures that bias on exactly those
-    # rounds. 0 turns it off.
+    # Calibration (the module docstring): the realised / expected accepted drafts of the verified rounds, decayed
+    # by `calibration_decay` per verified round from `calibration_weight` pseudo-tokens at ratio 1, scales every
+    # expected gain; only for batches of at least `calibration_min_batch` rows. Weight 0 turns it off.
     calibration_decay: float = 0.95
     calibration_weight: float = 4.0
-    # One ratio per draft position (True) or one for the whole draft (False, what session 11 measured): the bias
-    # need not be the same at every depth, and one ratio for all of them also shrinks the positions whose
-    # estimates were right (not yet measured).
-    calibration_per_position: bool = False
-    # Calibrate only batches of at least this many rows. A single row's estimates already are its own feedback,
-    # and the ratio, updated only by verified rounds, stays low long after a row's text turns copy-heavy: at
-    # batch 1 it cut n-gram's HumanEval tau from 1.35 to 1.13 (session 11), where batch 8 needs it.
     calibration_min_batch: int = 2
     # Always draft (and let `refine` choose the width from the draft) when a draft costs at most this fraction of
-    # a plain round and `refine` may look at it: prompt lookup (~1% of a round) then verifies its long matches
-    # even after a row's history of short ones said to skip (session 11's rewrite prompt: tau 1.00 where the
-    # fixed width reached 4.25). 0: decide from the history alone.
+    # a plain round and `refine` may look at it, in batches of at most `free_draft_max_batch` rows: prompt lookup
+    # (~1% of a round) then verifies its long matches even after a row's history of short ones said to skip. At
+    # batch 8 drafting every round let the rows' matches buy widths that lost (0.91x AR). 0: decide from history.
     free_draft: float = 0.03
-    # ... in batches of at most this many rows. At batch 8, once a draft really cost nothing there (session 15:
-    # the verify path no longer argmaxes padded logits), drafting every round and letting `refine` verify the
-    # rows' matches cost n-gram 9% on GSM8K and HumanEval (0.91x AR; the estimates expected 3-4x the drafts that
-    # were accepted), where deciding from the history alone held 0.99x and 1.06x (docs/BENCHMARKS.md session 15).
     free_draft_max_batch: int = 1
     # "makespan": value a round by the progress of the row that would finish last (a static batch, as
     # `speculative_generate` decodes); "throughput": by the tokens it commits over all rows (a server that refills
-    # finished rows). See the module docstring.
-    objective: str = "makespan"
-    # Measure the round costs again even if cached, once per process (a sitting): the widths' cost ratios drift
-    # ~10% within an hour on a shared VM, and a stale profile over-verifies (docs/BENCHMARKS.md sessions 39-40).
+    # finished rows).
+    objective: Literal["makespan", "throughput"] = "makespan"
+    # Measure the round costs again even if cached, once per process (a sitting): on a shared VM the widths' cost
+    # ratios drift ~10% within an hour, and a stale profile over-verifies.
     reprofile: bool = False
-    # Round costs given instead of measured: ((seconds per round at each verify width), draft seconds), e.g. to
-    # replay a run with another machine's costs, or in tests. None: measure (cached).
-    costs: tuple[tuple[float, ...], float] | None = None
+    # Round costs given instead of measured: seconds per round at each verify width (the loop's widths, 0 first)
+    # and what a draft adds, e.g. to replay a run with another machine's costs, or in tests. None: measure (cached).
+    round_costs: tuple[float, ...] | None = None
+    draft_cost: float = 0.0
     cost_path: str | None = None  # JSON cache of measured round costs (default: the specdec cache dir)
-    # Slow start: a row's estimates count only the draft positions up to twice the deepest one it has ever had
-    # accepted (pooled over evidence classes; at least position 1), so its first verified rounds are narrow and
-    # the width doubles as deeper drafts are accepted. The optimistic prior alone valued every position of a
-    # fresh row's first draft at 1: on open text at batch 1 suffix decoding verified ~5 rounds per 64-token
-    # answer at widths 3-7, each costing up to ~2 plain rounds, and lost 12% to AR (docs/BENCHMARKS.md
-    # session 19). Measured worse (session 20): no gain on chat, and copy-heavy rows lost their first long
-    # matches (rewrite with suffix decoding: 1.31x -> 0.94x). False (default): value every position at once.
-    slow_start: bool = False
-    # How a prefix of a best-first tree (`Drafter.ordered_tree`) is valued. "levels" (until session 37): by the
-    # levels it reaches, the history kept per draft depth, so two prefixes that reach the same depth are worth
-    # the same and breadth (a second guess beside the first, the lookup's branch beside the drafter's) is never
-    # bought. "nodes": the history is kept per node index (node i's acceptance given its parent's), a node is
-    # worth the product along its path, and a prefix the sum over its nodes (its expected accepted drafts, exact
-    # under greedy verification, where at most one sibling is accepted). For a chain both are the same model.
-    tree_value: str = "levels"
-    # With the nodes model: value a drafted deterministic tree (greedy decoding) by the drafter's own estimate of
-    # each node's acceptance (`Draft.scores`: a top-k tree's q of the node's token at its parent), times the
-    # row's realised / expected acceptance of the nodes whose scores fell in the same bin (edges in (0, 1),
-    # ratio 1 from `prior_weight` pseudo-nodes), instead of the node index's history alone: this round's draft
-    # says which rounds are worth verifying, the history only what rounds like it were worth. Nodes without a
-    # score (the hybrid's lookup) keep the history. `plan` (before drafting) is unchanged. None: off; (): one
-    # ratio for all scores. Given as a sequence or as edges joined by '/'.
+    # How a prefix of a best-first tree (`Drafter.ordered_tree`) is valued. "levels": by the levels it reaches, the
+    # history kept per draft depth, so breadth (a second guess beside the first, the lookup's branch beside the
+    # drafter's) is never bought. "nodes": the history is kept per node index (node i's acceptance given its
+    # parent's), a node is worth the product along its path, and a prefix the sum over its nodes (its expected
+    # accepted drafts, exact under greedy verification). For a chain both are the same model.
+    tree_value: Literal["levels", "nodes"] = "levels"
+    # With the nodes model: value a drafted deterministic tree by the drafter's own estimate of each node's
+    # acceptance (`Draft.scores`), times the row's realised / expected acceptance of the nodes whose scores fell in
+    # the same bin (edges in (0, 1)): this round's draft says whether it is worth verifying, the history only what
+    # rounds like it were worth. Nodes without a score (the hybrid's lookup) keep the history. None: off; []: one
+    # ratio for all scores.
     score_bins: tuple[float, ...] | None = None
 
-    kind = "adaptive"
-    needs_confidence = False
-
     def __post_init__(self):
-        if not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"scheduler.decay must be in [0, 1), got {self.decay!r}")
-        if not 0.0 < self.prior <= 1.0:
-            raise ValueError(f"scheduler.prior must be in (0, 1], got {self.prior!r}")
-        if self.costs is not None:
-            round_cost, draft_cost = self.costs
-            if not round_cost or any(c <= 0 for c in round_cost) or draft_cost < 0:
-                raise ValueError("adaptive costs must be ((seconds per round > 0 at each verify width, ...), "
-                                 f"draft seconds >= 0), got {self.costs!r}")
-        if not 0.0 <= self.margin < 1.0:
-            raise ValueError(f"scheduler.margin must be in [0, 1), got {self.margin!r}")
-        if not 0.0 <= self.calibration_decay < 1.0:
-            raise ValueError(f"scheduler.calibration_decay must be in [0, 1), got {self.calibration_decay!r}")
-        if not 0.0 <= self.free_draft < 1.0:
-            raise ValueError(f"scheduler.free_draft must be in [0, 1), got {self.free_draft!r}")
-        if self.objective not in ("makespan", "throughput"):
-            raise ValueError(f"scheduler.objective must be 'makespan' or 'throughput', got {self.objective!r}")
-        if self.free_draft_max_batch < 1:
-            raise ValueError(f"scheduler.free_draft_max_batch must be >= 1, got {self.free_draft_max_batch!r}")
-        if self.calibration_min_batch < 1:
-            raise ValueError(f"scheduler.calibration_min_batch must be >= 1, got {self.calibration_min_batch!r}")
-        if self.calibration_weight < 0:
-            raise ValueError(f"scheduler.calibration_weight must be >= 0, got {self.calibration_weight!r}")
-        if not 0.0 <= self.explore_budget < 1.0:
-            raise ValueError(f"scheduler.explore_budget must be in [0, 1), got {self.explore_budget!r}")
-        if not 0.0 < self.prior_depth <= 1.0:
-            raise ValueError(f"scheduler.prior_depth must be in (0, 1], got {self.prior_depth!r}")
-        if self.prior_weight <= 0:
-            raise ValueError(f"scheduler.prior_weight must be > 0, got {self.prior_weight!r}")
-        if self.tree_value not in ("levels", "nodes"):
-            raise ValueError(f"scheduler.tree_value must be 'levels' or 'nodes', got {self.tree_value!r}")
-        if self.explore_every < 1:
-            raise ValueError(f"scheduler.explore_every must be >= 1, got {self.explore_every!r}")
+        require(0.0 <= self.decay < 1.0, "decay", f"must be in [0, 1), got {self.decay!r}")
+        require(0.0 < self.prior <= 1.0, "prior", f"must be in (0, 1], got {self.prior!r}")
+        require(self.prior_weight > 0, "prior_weight", f"must be > 0, got {self.prior_weight!r}")
+        require(0.0 < self.prior_depth <= 1.0, "prior_depth", f"must be in (0, 1], got {self.prior_depth!r}")
+        require(self.explore_every >= 1, "explore_every", f"must be >= 1, got {self.explore_every!r}")
+        require(self.explore_max >= self.explore_every, "explore_max",
+                f"must be >= explore_every ({self.explore_every!r}), got {self.explore_max!r}")
+        require(0.0 <= self.explore_budget < 1.0, "explore_budget", f"must be in [0, 1), got {self.explore_budget!r}")
+        require(0.0 <= self.margin < 1.0, "margin", f"must be in [0, 1), got {self.margin!r}")
+        require(0.0 <= self.calibration_decay < 1.0, "calibration_decay",
+                f"must be in [0, 1), got {self.calibration_decay!r}")
+        require(self.calibration_weight >= 0, "calibration_weight", f"must be >= 0, got {self.calibration_weight!r}")
+        require(self.calibration_min_batch >= 1, "calibration_min_batch",
+                f"must be >= 1, got {self.calibration_min_batch!r}")
+        require(0.0 <= self.free_draft < 1.0, "free_draft", f"must be in [0, 1), got {self.free_draft!r}")
+        require(self.free_draft_max_batch >= 1, "free_draft_max_batch",
+                f"must be >= 1, got {self.free_draft_max_batch!r}")
+        require(self.objective in ("makespan", "throughput"), "objective",
+                f"must be 'makespan' or 'throughput', got {self.objective!r}")
+        require(self.tree_value in ("levels", "nodes"), "tree_value",
+                f"must be 'levels' or 'nodes', got {self.tree_value!r}")
         if self.score_bins is not None:
-            edges = (self.score_bins,) if isinstance(self.score_bins, (int, float)) else self.score_bins
-            try:
-                edges = tuple(float(e) for e in (edges.split("/") if isinstance(edges, str) else edges) if e != "")
-            except (TypeError, ValueError):
-                raise ValueError(f"scheduler.score_bins must be increasing edges in (0, 1), got {edges!r}") from None
-            if any(not 0.0 < e < 1.0 for e in edges) or list(edges) != sorted(set(edges)):
-                raise ValueError(f"scheduler.score_bins must be increasing edges in (0, 1), got {self.score_bins!r}")
-            object.__setattr__(self, "score_bins", edges)
-        if self.explore_max < self.explore_every:
-            raise ValueError(f"scheduler.explore_max ({self.explore_max!r}) must be >= explore_every "
-                             f"({self.explore_every!r})")
+            edges = tuple(self.score_bins)
+            require(all(isinstance(e, (int, float)) and 0.0 < e < 1.0 for e in edges)
+                    and list(edges) == sorted(set(edges)), "score_bins",
+                    f"must be increasing edges in (0, 1), got {self.score_bins!r}")
+            object.__setattr__(self, "score_bins", tuple(float(e) for e in edges))
+        if self.round_costs is not None:
+            object.__setattr__(self, "round_costs", tuple(float(c) for c in self.round_costs))
+            require(len(self.round_costs) > 0 and all(c > 0 for c in self.round_costs), "round_costs",
+                    f"must be seconds > 0 per verify width, got {self.round_costs!r}")
+        require(self.draft_cost >= 0, "draft_cost", f"must be >= 0 seconds, got {self.draft_cost!r}")
+
+    # -- the Scheduler protocol (specdec/scheduler.py) -----------------------------------------------------
+
+    def verify_widths(self, num_draft_tokens: int, buckets) -> tuple[int, ...]:
+        """The verify buckets ("auto" unless given) plus width 0: a plain decode step is always a choice."""
+        return tuple(sorted({0, *(bucket_widths(num_draft_tokens, buckets) or
+                                  bucket_widths(num_draft_tokens, "auto"))}))
+
+    def prepare(self, probe):
+        """(round_cost per verify width, draft_cost): given (`round_costs`), else measured in the loop (cached)."""
+        if self.round_costs is None:
+            widths = probe.spec.verify_widths  # the forced runs' own decisions are overridden: any costs do
+            return costs.round_costs(probe, (np.ones(len(widths)), 0.0), self.cost_path, self.reprofile)
+        widths = probe.spec.verify_widths
+        if len(self.round_costs) != len(widths):
+            raise ValueError(f"scheduler.round_costs gives {len(self.round_costs)} round costs, but this loop's "
+                             f"verify widths are {list(widths)}: give one cost per width")
+        return self.round_costs, self.draft_cost
+
+    def plan(self, spec, state) -> jax.Array:
+        # `refine` will see the draft when decoding is greedy or the draft deterministic, so a draft that costs next
+        # to nothing is always made (`free_draft`): never for a host-side drafter, whose every drafted round is a
+        # host round trip where its plain rounds run in compiled bursts (its profiled draft cost, the difference of
+        # two loop timings, read 0.7-6.4 ms; at 0.7 ms suffix decoding counted as free, drafted every round and
+        # lost 17% on open chat).
+        drafter = spec.drafter
+        look = (spec.sampling.greedy or drafter.deterministic) and drafter.jittable
+        ctx = RoundContext(seq=state.seq, seq_len=state.seq_len, done=state.done)
+        return self.plan_width(state.sched, spec.verify_widths, ~state.done, drafter.kind == "tree", look,
+                               remaining=state.limit - state.num_new, ordered=drafter.ordered_tree,
+                               evidence=drafter.evidence_before_draft(ctx))
+
+    def refine(self, spec, state, draft, planned, drafted):
+        # The draft's lengths may steer the width under greedy decoding, and when sampling only if the draft is
+        # deterministic (probs=None: a function of the committed context, never of this round's random draws).
+        look = spec.sampling.greedy or draft.probs is None
+        return self.refine_width(state.sched, draft, planned, drafted, spec.verify_widths, ~state.done, look,
+                                 spec.drafter.kind == "tree", remaining=state.limit - state.num_new,
+                                 ordered=spec.drafter.ordered_tree)
+
+    def observe(self, spec, state, draft, depth, result, active):
+        if self.values_nodes(spec.drafter.kind == "tree", spec.drafter.ordered_tree):  # per node index
+            return self.observe_round(state.sched, draft.valid, result.num_accepted, active, path=result.path,
+                                      parents=draft.parents)
+        return self.observe_round(state.sched, trees.levels_present(draft.valid, depth), result.num_accepted,
+                                  active)  # per draft depth
+
+    def skipped(self, spec, state):
+        return self.record_skip(state.sched, ~state.done)
+
+    def metrics(self, spec, sched) -> dict:
+        """Its choices and its cost model's prediction of the decode time (in the profile's seconds)."""
+        return {"verify_widths": list(spec.verify_widths), "width_rounds": np.asarray(sched.width_rounds).tolist(),
+                "skipped_drafts": int(sched.skipped_drafts), "predicted_seconds": float(sched.predicted_seconds),
+                "round_costs": np.asarray(sched.round_cost).tolist(), "draft_cost": float(sched.draft_cost),
+                "expected_accepted": float(sched.expected_accepted),
+                "realised_accepted": float(sched.realised_accepted)}
 
     # -- state -------------------------------------------------------------------------------------------
 
-    def init_state(self, batch: int, num_nodes: int, costs, classes: int = 1) -> AdaptiveState:
+    def init_state(self, batch: int, num_nodes: int, classes: int, measured) -> AdaptiveState:
         """A fresh history for `batch` rows, `num_nodes` draft positions and `classes` evidence classes
-        (`Drafter.evidence_classes`), with `costs` = (round_cost per verify width, draft_cost)."""
-        round_cost, draft_cost = costs
+        (`Drafter.evidence_classes`), with `measured` = (round_cost per verify width, draft_cost)."""
+        round_cost, draft_cost = measured
         k = len(round_cost)
         def zeros(*shape):  # a fresh buffer per field: the loop donates its state, and a buffer can be donated once
             return jnp.zeros((batch, *shape, num_nodes), jnp.float32)
@@ -305,8 +281,7 @@ class AdaptiveWidth:
         return AdaptiveState(
             hits=zeros(classes), reached=zeros(classes), drafted=zeros(), drafts=jnp.zeros((batch, 1), jnp.float32),
             round_cost=jnp.asarray(round_cost, jnp.float32), draft_cost=jnp.asarray(draft_cost, jnp.float32),
-            force_plan=jnp.asarray(-1, jnp.int32), force_refine=jnp.asarray(-1, jnp.int32),
-            force_valid=jnp.asarray(False), last_drafted_levels=jnp.zeros((batch, num_nodes), bool),
+            last_drafted_levels=jnp.zeros((batch, num_nodes), bool),
             last_drafted=jnp.asarray(False), last_class=jnp.zeros((batch,), jnp.int32),
             last_parents=jnp.broadcast_to(jnp.arange(num_nodes, dtype=jnp.int32) - 1, (batch, num_nodes)),
             last_scores=jnp.full((batch, num_nodes), -1.0, jnp.float32),
@@ -350,7 +325,7 @@ class AdaptiveWidth:
         estimate instead of an optimistic constant. Each class starts from the optimistic prior, so a row whose
         open text taught it that one-token matches fail still tries its first 8-token match. (Starting the
         classes without history from the row's other classes instead cost summarise tau 1.72 -> 1.26 on the
-        quickstart and gained nothing on chat: docs/BENCHMARKS.md session 12.)"""
+        quickstart and gained nothing on chat.)"""
         if evidence is None:
             hits, reached = jnp.sum(st.hits, axis=1), jnp.sum(st.reached, axis=1)
         else:
@@ -367,22 +342,14 @@ class AdaptiveWidth:
     def survival(self, st: AdaptiveState, evidence: jax.Array | None = None,
                  parents: jax.Array | None = None, scores: jax.Array | None = None) -> jax.Array:
         """P(positions 1..j all accepted | drafted), from the conditional estimates: [B, N] (0 past a row's
-        slow-start reach). With `parents` [B, N] (the nodes model, `tree_value`): P(node i and its ancestors all
+        With `parents` [B, N] (the nodes model, `tree_value`): P(node i and its ancestors all
         accepted), the estimates taken per node index, or for the nodes with `scores` >= 0 [B, N] (a drafted
         tree's `Draft.scores`, with `score_bins`) from their calibrated scores."""
         accept = self.acceptance(st, evidence)
         if scores is not None:
             accept = jnp.where(scores >= 0, self.scored_acceptance(st, evidence, scores), accept)
         survival = jnp.cumprod(accept, axis=1) if parents is None else path_products(accept, parents)
-        return jnp.where(self.reach(st), survival, 0.0) if self.slow_start else survival
-
-    def reach(self, st: AdaptiveState) -> jax.Array:
-        """bool [B, N]: the draft positions `slow_start` lets a row value: up to twice the deepest position it
-        has had accepted in any evidence class (counts decay but never reach 0), at least position 1."""
-        n = st.hits.shape[2]
-        depth = jnp.arange(1, n + 1)
-        deepest = jnp.max(jnp.where(jnp.sum(st.hits, axis=1) > 0, depth[None, :], 0), axis=1)  # [B]
-        return depth[None, :] <= jnp.maximum(2 * deepest, 1)[:, None]
+        return survival
 
     def calibration(self, st: AdaptiveState) -> jax.Array:
         """[N]: realised / expected accepted drafts at each draft position over the recent verified rounds (one
@@ -392,8 +359,6 @@ class AdaptiveWidth:
         if self.calibration_weight == 0 or st.hits.shape[0] < self.calibration_min_batch:
             return jnp.ones((n,), jnp.float32)
         w = self.calibration_weight
-        if self.calibration_per_position:
-            return (st.calib_realised + w) / (st.calib_expected + w)
         return jnp.full((n,), (jnp.sum(st.calib_realised) + w) / (jnp.sum(st.calib_expected) + w))
 
     # -- decisions ---------------------------------------------------------------------------------------
@@ -453,7 +418,7 @@ class AdaptiveWidth:
         progress = jnp.min(jnp.where(active[:, None], tokens / left, jnp.inf), axis=0)
         return jnp.where(jnp.any(active), progress, 1.0)  # no active row: any width (the loop is ending)
 
-    def plan(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool,
+    def plan_width(self, st: AdaptiveState, widths: tuple[int, ...], active: jax.Array, tree: bool,
              look: bool = False, remaining: jax.Array | None = None, ordered: bool = False,
              evidence: jax.Array | None = None) -> jax.Array:
         """Index into `widths` to draft for, from the history alone (0: skip the draft). With `look` (`refine`
@@ -473,9 +438,9 @@ class AdaptiveWidth:
         if look and self.free_draft > 0 and st.hits.shape[0] <= self.free_draft_max_batch:
             free = st.draft_cost <= self.free_draft * st.round_cost[0]
             best = jnp.where(free & (best == 0), len(widths) - 1, best)
-        return jnp.where(st.force_plan >= 0, st.force_plan, best)
+        return best
 
-    def refine(self, st: AdaptiveState, draft, planned: jax.Array, drafted: jax.Array, widths: tuple[int, ...],
+    def refine_width(self, st: AdaptiveState, draft, planned: jax.Array, drafted: jax.Array, widths: tuple[int, ...],
                active: jax.Array, look: bool, tree: bool, remaining: jax.Array | None = None,
                ordered: bool = False):
         """The draft cut to the round's verify width, and the state recording what this round does.
@@ -484,7 +449,7 @@ class AdaptiveWidth:
         (deterministic drafts, or greedy decoding). `remaining`, `ordered`: as in `plan`."""
         n = draft.num_nodes
         w = jnp.asarray(widths, jnp.int32)
-        valid = jnp.where(st.force_valid, True, draft.valid)
+        valid = draft.valid
         evidence = (jnp.zeros(valid.shape[:1], jnp.int32) if draft.evidence is None
                     else jnp.clip(draft.evidence, 0, st.hits.shape[1] - 1))
         nodes = self.values_nodes(tree, ordered)
@@ -522,7 +487,6 @@ class AdaptiveWidth:
             verify_only = jnp.where(w > 0, st.round_cost - st.draft_cost, st.round_cost)  # the draft is paid
             k = jnp.where(drafted, self._best(value, verify_only, self._allowed(st, widths, n, tree, ordered)),
                           planned)
-        k = jnp.where(st.force_refine >= 0, st.force_refine, k)
         if tree and not ordered:  # a tree is verified whole or not at all
             keep = valid & (w[k] > 0) & drafted
         else:
@@ -547,7 +511,7 @@ class AdaptiveWidth:
             return None
         return jnp.where(draft.valid, draft.scores.astype(jnp.float32), -1.0)
 
-    def skipped(self, st: AdaptiveState, active: jax.Array) -> AdaptiveState:
+    def record_skip(self, st: AdaptiveState, active: jax.Array) -> AdaptiveState:
         """What `refine` records for a round that skipped the draft, without a draft to refine (the loop of plain
         decode rounds)."""
         b, n = st.last_drafted_levels.shape
@@ -568,7 +532,7 @@ class AdaptiveWidth:
             round_expected=jnp.where(ran > 0, round_expected, 0.0),
             round_break_even=jnp.sum(active) * (st.round_cost[ran] / st.round_cost[0] - 1.0))
 
-    def observe(self, st: AdaptiveState, verified: jax.Array, num_accepted: jax.Array,
+    def observe_round(self, st: AdaptiveState, verified: jax.Array, num_accepted: jax.Array,
                 active: jax.Array, path: jax.Array | None = None, parents: jax.Array | None = None) -> AdaptiveState:
         """Fold one verified round into each active row's history. `verified` [B, N]: the depths the target
         verified (`trees.levels_present` of the draft as verified); for the nodes model (`values_nodes`) the
@@ -637,137 +601,3 @@ def _room(remaining, shape) -> jax.Array:
     if remaining is None:
         return jnp.full((shape[0], 1), shape[1], jnp.int32)
     return jnp.maximum(remaining - 1, 0)[:, None].astype(jnp.int32)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Round costs, measured in the compiled loop (cached)
-# ----------------------------------------------------------------------------------------------------------
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    dev = jax.devices()[0]
-    return f"{dev.platform}:{dev.device_kind}|{cpu}|{os.cpu_count()}cpu"
-
-
-@functools.lru_cache(maxsize=None)
-def _code_version(*modules: str) -> str:
-    """A digest of the source files that decide what a round costs (the step, the loop, the drafter): costs
-    profiled by other code (an older specdec, a changed step layout) are measured again, not reused."""
-    digest = hashlib.sha256()
-    for name in modules:
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if path:
-            digest.update(Path(path).read_bytes())
-    return digest.hexdigest()[:12]
-
-
-def _drafter_modules(drafter) -> tuple[str, ...]:
-    """The modules whose code decides what `drafter` costs a round: its class's and its base classes' (DSpark's
-    forward is DFlash's), and those of the drafters it wraps (the hybrid's model and lookup)."""
-    parts = [drafter] + [v for v in vars(drafter).values() if isinstance(v, Drafter)]
-    names = {cls.__module__ for part in parts for cls in type(part).__mro__}
-    return tuple(sorted(n for n in names if n != "builtins"))
-
-
-def cost_key(target, drafter, policy: str, sampling, batch: int, capacity: int, widths) -> str:
-    backend = getattr(getattr(target, "backend", None), "name", "?")
-    draft = json.dumps(drafter.describe(), sort_keys=True, default=str)
-    mode = "greedy" if sampling.greedy else "sampled"
-    code = _code_version("specdec.models.transformer", "specdec.engine", __name__, *_drafter_modules(drafter))
-    return (f"{_machine()}|{target.cfg.name}|{backend}|{draft}|{policy}|{mode}|B={batch}|"
-            f"S={-(-capacity // 256) * 256}|W={list(widths)}|code={code}")
-
-
-def default_cost_path() -> Path:
-    return cache_root() / COST_FILE
-
-
-def measure_round_costs(run_forced, num_widths: int, repeats: int = 3, time_draft=None):
-    """(round_cost [K], draft_cost): seconds per loop iteration with the width forced to each bucket (k = 0:
-    the draft skipped), and what drafting adds to a round: `time_draft()` where the draft can be timed alone
-    (pure-JAX drafters: `engine.draft_seconds`), else measured as a round that drafts and verifies nothing minus
-    a plain one. `run_forced(plan, refine)` runs the real compiled loop with the plan / refine decisions forced
-    to those bucket indices and returns seconds per iteration.
-
-    The passes are interleaved (every width once, `repeats` times over) and the median of each width counts:
-    the cost model predicts a run's typical time, and on a shared machine the fastest of a few passes is the
-    luckiest one (taking it made every prediction 10-15% optimistic), while a slow spell during one width's
-    passes would skew that width against the others if they were not interleaved."""
-    forced = [(k, k) for k in range(num_widths)]
-    if time_draft is None:
-        forced.append((num_widths - 1, 0))  # draft, verify nothing
-    passes = [[run_forced(plan, refine) for plan, refine in forced] for _ in range(repeats)]
-    median = [float(np.median(column)) for column in zip(*passes)]
-    round_cost = median[:num_widths]
-    if time_draft is not None:
-        return round_cost, time_draft()
-    return round_cost, max(median[num_widths] - round_cost[0], 0.0)
-
-
-def fit_round_costs(runs) -> dict | None:
-    """The round costs that timed runs imply, beside the profile they ran with: a check of the cost model.
-
-    Least squares of each run's decode seconds, in units of its own C(0) (a warmed-up run rescales the profile to
-    the machine's speed), on its loop iterations per verify width and its drafted iterations that verified
-    nothing. `runs`: DecodeMetrics of adaptive runs with one set of verify widths, one per call (merged runs mix
-    their rescalings). Returns None with no more runs than unknowns, else {"ratios" / "ratios_stderr": fitted
-    C(W) over the profile's C(0) per width (the first: the plain round's; None for a width no run chose),
-    "draft" / "draft_stderr": the fitted cost a drafted round that verifies nothing adds, over the profile's
-    C(0) (None if none did, or if every width-0 round drafted: then C(0) includes it), "profile_ratios",
-    "profile_draft", "runs"}. Every figure is in the unit the seconds were divided by, the
-    profile's C(0), never over the fitted C(0): where the runs hold few plain rounds (GSM8K: ~2 per call) that
-    one is barely determined, and dividing by it turned a session-41 fit into negative ratios. Session 40
-    (docs/BENCHMARKS.md): a fit of 48 runs priced the widths within ~4% of the profile and an unverified draft
-    at ~2.6x the profile's draft cost."""
-    runs = [m for m in runs if m.width_rounds and m.round_costs]
-    if not runs:
-        return None
-    if len({tuple(m.verify_widths) for m in runs}) != 1:
-        raise ValueError("fit_round_costs: the runs have different verify widths; fit each set apart")
-    counts = np.asarray([[*m.width_rounds, m.width_rounds[0] - m.skipped_drafts] for m in runs], float)
-    seconds = np.asarray([m.decode_seconds / m.round_costs[0] for m in runs])
-    cols = np.flatnonzero(counts.sum(axis=0) > 0)
-    if np.linalg.matrix_rank(counts[:, cols]) < len(cols):  # a drafter that drafts every round (not skippable):
-        cols = cols[cols < counts.shape[1] - 1]  # its unverified drafts are its width-0 rounds, priced as those
-    if counts[:, 0].sum() == 0 or len(runs) <= len(cols):
-        return None
-    x = counts[:, cols]
-    sol = np.linalg.lstsq(x, seconds, rcond=None)[0]
-    resid = seconds - x @ sol
-    variance = np.diag(resid @ resid / (len(runs) - len(cols)) * np.linalg.pinv(x.T @ x))
-    stderr = np.sqrt(np.maximum(variance, 0.0))  # a nearly collinear fit can round a variance below 0
-    fitted, err = [None] * counts.shape[1], [None] * counts.shape[1]
-    for i, c in enumerate(cols):
-        fitted[c], err[c] = float(sol[i]), float(stderr[i])
-    profile = runs[0]
-    return {"ratios": fitted[:-1], "ratios_stderr": err[:-1], "draft": fitted[-1],
-            "draft_stderr": err[-1], "profile_ratios": [c / profile.round_costs[0] for c in profile.round_costs],
-            "profile_draft": (profile.draft_cost or 0.0) / profile.round_costs[0], "runs": len(runs)}
-
-
-_REPROFILED: set[tuple[str, str]] = set()  # (cache file, key) measured again in this process (`reprofile`)
-
-
-def load_or_measure_round_costs(key: str, measure, path=None, reprofile: bool = False):
-    """(round_cost, draft_cost) for `key`, from the JSON cache or measured by `measure()` (then cached).
-    `reprofile`: measured again the first time this process asks for `key`, then taken from the cache, so every
-    run of a benchmark sitting uses the same fresh profile."""
-    file = Path(path) if path else default_cost_path()
-    again = reprofile and (str(file), key) not in _REPROFILED
-
-    def timed():
-        t0 = time.perf_counter()
-        round_cost, draft_cost = measure()
-        return {"round_cost": round_cost, "draft_cost": draft_cost, "measured_seconds": time.perf_counter() - t0}
-
-    entry = cached_measurement(file, key, timed, "scheduler.cost_path", again)
-    if again:
-        _REPROFILED.add((str(file), key))
-    return tuple(entry["round_cost"]), float(entry["draft_cost"])

@@ -36,29 +36,15 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from specdec.adaptive import AdaptiveWidth
+from specdec.errors import ConfigError, _join, require
+from specdec.scheduler import FixedWidth
+from specdec.scheduling import PrefixSchedule, ThresholdSchedule
 from specdec.verify.registry import POLICY_NAMES, get_policy
 from specdec.verify.typical import DEFAULT_DELTA, DEFAULT_EPSILON
 
 
-class ConfigError(ValueError):
-    """A configuration problem. `key` is the full dotted key ("sampling.temperature"), `reason` the rest."""
-
-    def __init__(self, reason: str, key: str = ""):
-        self.key, self.reason = key, reason
-        super().__init__(f"{key}: {reason}" if key else reason)
-
-    def under(self, prefix: str) -> ConfigError:
-        return ConfigError(self.reason, _join(prefix, self.key))
-
-
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix and key else prefix or key
-
-
-def _require(ok: bool, key: str, reason: str) -> None:
-    """Value checks in `__post_init__`; `key` is relative to the section and `from_dict` adds the prefix."""
-    if not ok:
-        raise ConfigError(reason, key)
+_require = require  # value checks in `__post_init__`; `key` is relative to the section, `from_dict` adds the prefix
 
 
 def _at_least(obj: Any, low: float, *names: str) -> None:
@@ -147,57 +133,12 @@ class VerifyConfig:
         _at_least(self, 0, "delta")
 
 
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    """`scheduler:` how many of each row's draft tokens the target verifies each round. `adaptive` (any drafter,
-    specdec/adaptive.py): the verify width (0 = skip the draft) that maximises expected tokens per second from
-    round costs measured on this machine and each row's acceptance history. `fixed`: every drafted token.
-    threshold and prefix (specdec/scheduling.py) need a drafter with draft confidences: dflash, dspark."""
-    kind: Literal["fixed", "adaptive", "threshold", "prefix"] = "fixed"
-    threshold: float = 0.5  # "threshold": verify slot j while the prefix-survival confidence a_j >= this
-    profile_path: str | None = None  # "prefix": JSON cache of the measured SPS(token batch) profile
-    decay: float = 0.9  # "adaptive": decay of each row's history count when its position is observed
-    prior: float = 1.0  # "adaptive": the acceptance assumed of a position with no recent history
-    prior_depth: float = 0.8  # "adaptive": a deeper position's prior is the one before it times this
-    explore_every: int = 8  # "adaptive": verify after this many rounds in a row that verified nothing
-    explore_max: int = 64  # "adaptive": that gap doubles after each verified round that did not pay, to this
-    explore_budget: float = 0.02  # "adaptive": exploring spends at most this share of the plain rounds' time
-    margin: float = 0.05  # "adaptive": verify only when the expected tokens/s beat a plain step's by this factor
-    calibration_weight: float = 4.0  # "adaptive": pseudo-tokens of the realised/expected acceptance ratio; 0: off
-    calibration_decay: float = 0.95  # "adaptive": that ratio's decay per verified round
-    calibration_per_position: bool = False  # "adaptive": one ratio per draft position (default: one for the draft)
-    calibration_min_batch: int = 2  # "adaptive": calibrate only batches of at least this many rows
-    free_draft: float = 0.03  # "adaptive": always draft when a draft costs at most this fraction of a plain round
-    free_draft_max_batch: int = 1  # "adaptive": ... in batches of at most this many rows (session 15, batch 8)
-    # "adaptive": "makespan" (a static batch ends with its last row) or "throughput" (a server refilling rows)
-    objective: Literal["makespan", "throughput"] = "makespan"
-    cost_path: str | None = None  # "adaptive": JSON cache of the measured round costs
-    reprofile: bool = False  # "adaptive": measure the round costs again (once per process) even if cached
-    slow_start: bool = False  # "adaptive": a row values draft positions up to twice its deepest accepted one
-    # "adaptive": a best-first tree's prefix valued by the "levels" it reaches or by its "nodes" (breadth counts)
-    tree_value: Literal["levels", "nodes"] = "levels"
-    # "adaptive" with tree_value nodes: value a drafted tree by the drafter's node scores, calibrated per row in
-    # these bins (edges in (0, 1); [] one bin; None off; specdec/adaptive.py `score_bins`)
-    score_bins: tuple[float, ...] | None = None
-
-    def __post_init__(self):
-        _require(self.score_bins is None or (all(0 < e < 1 for e in self.score_bins)
-                                             and list(self.score_bins) == sorted(set(self.score_bins))),
-                 "score_bins", f"must be increasing edges in (0, 1), got {self.score_bins!r}")
-        _require(0 <= self.threshold <= 1, "threshold", f"must be in [0, 1], got {self.threshold!r}")
-        _require(0 <= self.decay < 1, "decay", f"must be in [0, 1), got {self.decay!r}")
-        _require(0 < self.prior <= 1, "prior", f"must be in (0, 1], got {self.prior!r}")
-        _require(0 < self.prior_depth <= 1, "prior_depth", f"must be in (0, 1], got {self.prior_depth!r}")
-        _at_least(self, 1, "explore_every")
-        _require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin!r}")
-        _require(self.calibration_weight >= 0, "calibration_weight", f"must be >= 0, got {self.calibration_weight!r}")
-        _at_least(self, 1, "calibration_min_batch", "free_draft_max_batch")
-        _require(0 <= self.free_draft < 1, "free_draft", f"must be in [0, 1), got {self.free_draft!r}")
-        _require(0 <= self.explore_budget < 1, "explore_budget", f"must be in [0, 1), got {self.explore_budget!r}")
-        _require(0 <= self.calibration_decay < 1, "calibration_decay",
-                 f"must be in [0, 1), got {self.calibration_decay!r}")
-        _require(self.explore_max >= self.explore_every, "explore_max",
-                 f"must be >= explore_every ({self.explore_every}), got {self.explore_max!r}")
+# `scheduler:` how many of each round's draft nodes the target verifies (specdec/scheduler.py). `kind` picks the
+# scheduler and the section's other keys are that scheduler's own fields: fixed (every drafted token), adaptive
+# (specdec/adaptive.py: the verify width that pays on this machine, or none; any drafter), threshold and prefix
+# (specdec/scheduling.py: from the draft confidences of dflash / dspark).
+SCHEDULERS = {cls.kind: cls for cls in (FixedWidth, AdaptiveWidth, ThresholdSchedule, PrefixSchedule)}
+SchedulerConfig = Union[FixedWidth, AdaptiveWidth, ThresholdSchedule, PrefixSchedule]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,7 +367,7 @@ class ExperimentConfig:
     model: TargetConfig = dataclasses.field(default_factory=TargetConfig)
     drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
     verify: VerifyConfig = dataclasses.field(default_factory=VerifyConfig)
-    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=FixedWidth)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -493,6 +434,31 @@ def _is_union(tp: Any) -> bool:
     return typing.get_origin(tp) in (Union, types.UnionType)
 
 
+def _tags(tp: Any) -> dict[str, type] | None:
+    """A tagged union (the `scheduler` section): a Union of dataclasses that each have a class-level `kind`,
+    which the mapping's `kind` key picks (default: the first option's). None for any other type."""
+    if not _is_union(tp):
+        return None
+    options = [a for a in typing.get_args(tp) if a is not type(None)]
+    if not all(dataclasses.is_dataclass(a) and isinstance(getattr(a, "kind", None), str) for a in options):
+        return None
+    return {a.kind: a for a in options}
+
+
+def _from_tagged(tags: dict[str, type], data: Any, path: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a mapping, got {_describe(data)}", path)
+    kind = data.get("kind", next(iter(tags)))
+    if kind not in tags:
+        raise ConfigError(f"must be one of {', '.join(map(repr, tags))}; got {kind!r}", _join(path, "kind"))
+    fields = _fields(tags[kind])
+    for key in data:
+        if key != "kind" and key not in fields:
+            raise ConfigError(f"not a setting of scheduler kind {kind!r}: " + _unknown(key, ["kind", *fields]),
+                              _join(path, str(key)))
+    return from_dict(tags[kind], {k: v for k, v in data.items() if k != "kind"}, path)
+
+
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
     """Build dataclass `cls` from a plain mapping, validating keys, types, choices and values recursively."""
     if not isinstance(data, Mapping):
@@ -515,6 +481,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return value
+    if _tags(tp):
+        return _from_tagged(_tags(tp), value, path)
     if _is_union(tp):
         if value is None and type(None) in args:
             return None
@@ -556,6 +524,10 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 def to_dict(obj: Any) -> Any:
     """Plain dicts/lists/scalars (tuples become lists); `from_dict(type(c), to_dict(c)) == c`."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if isinstance(getattr(type(obj), "kind", None), str):  # a tagged union's option: its kind, non-defaults
+            default = type(obj)()
+            return {"kind": obj.kind, **{f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                         if getattr(obj, f.name) != getattr(default, f.name)}}
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
@@ -637,6 +609,13 @@ def key_type(dotted: str, cls: type | None = None) -> Any:
     tp, walked = cls or ExperimentConfig, ""
     for part in dotted.split("."):
         where = _join(walked, part)
+        if _tags(tp):  # a tagged union: the key of whichever option has it
+            options = {**{"kind": Literal[tuple(_tags(tp))]},
+                       **{k: v for cls in reversed(_tags(tp).values()) for k, v in _fields(cls).items()}}
+            if part not in options:
+                raise ConfigError(_unknown(part, options), where)
+            tp, walked = options[part], where
+            continue
         if _is_union(tp):  # Optional[X] -> X
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
         origin = typing.get_origin(tp)

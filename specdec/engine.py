@@ -24,13 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec import trees
-from specdec.adaptive import AdaptiveWidth, cost_key, load_or_measure_round_costs, measure_round_costs
+from specdec.costs import ForcedWidths
 from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, VerifyResult
 from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill_distinct
 from specdec.metrics import DecodeMetrics
 from specdec.models import transformer
 from specdec.models.transformer import KVCache
 from specdec.sampling import GREEDY, SamplingParams, sample
+from specdec.scheduler import FixedWidth, Scheduler, bucket_widths
 from specdec.sharding import to_host
 from specdec.target import Target
 from specdec.verify import Policy, get_policy
@@ -58,7 +59,7 @@ class LoopState:
     # accepted path, and positions < j accepted (the denominator of P(j accepted | j proposed, j-1 accepted))
     position_eligible: jax.Array
     round_committed: jax.Array  # int32 [B, C] tokens committed in each of the row's rounds (its accept lengths)
-    sched: Any = None  # the adaptive verify width's state (specdec.adaptive.AdaptiveState), else None
+    sched: Any = ()  # the scheduler's state (`Scheduler.init_state`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,7 @@ class LoopSpec:
     policy: Policy
     sampling: SamplingParams
     eos_ids: tuple[int, ...]
-    scheduler: Any = None  # scheduling.Scheduler or adaptive.AdaptiveWidth; None: verify every drafted token
+    scheduler: Scheduler = FixedWidth()  # how many draft nodes each round verifies (specdec/scheduler.py)
     # Draft-node counts the verify step may run, ascending and ending at N (`bucket_widths`); () = always all N.
     verify_widths: tuple[int, ...] = ()
 
@@ -94,14 +95,43 @@ def _split_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def propose(spec: LoopSpec, dparams, state: LoopState, planned=None):
-    """`planned`: the adaptive width's plan for this state, when the host-stepped loop has already made it."""
+    """Step 1: the scheduler plans a verify width, the drafter drafts (or, where the scheduler may skip and the
+    plan is width 0, does not), and the scheduler cuts the draft to the nodes to verify. `planned`: the plan for
+    this state, when the host-stepped loop has already made it (`loop_status`)."""
     key, sub = _split_key(state.key)
-    if isinstance(spec.scheduler, AdaptiveWidth):
-        return propose_adaptive(spec, dparams, dataclasses.replace(state, key=key), sub, planned)
-    draft, dstate = spec.drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, sub)
-    if spec.scheduler is not None:  # per-row verify lengths: nodes past them become invalid
-        draft = spec.scheduler.apply(draft, spec.drafter.draft_confidence(dstate), ~state.done)
-    return draft, dataclasses.replace(state, drafter_state=dstate, key=key)
+    state = dataclasses.replace(state, key=key)
+    drafter, scheduler = spec.drafter, spec.scheduler
+
+    def run():
+        return drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, sub)
+
+    may_skip = scheduler.may_skip and drafter.skippable
+    if not drafter.jittable:  # host-stepped loop: decide on the host, call the drafter only when it drafts
+        planned = np.int32(int(_jit_plan(spec, state)) if planned is None else planned)
+        drafted = not may_skip or spec.verify_widths[planned] > 0
+        if drafted:
+            draft, dstate = run()
+        else:  # nothing proposed (a deterministic-looking empty draft: its probs are never read)
+            batch = state.seq.shape[0]
+            draft = Draft.chain(jnp.zeros((batch, drafter.num_draft_tokens), jnp.int32),
+                                valid=jnp.zeros((batch, drafter.num_draft_tokens), bool))
+            dstate = state.drafter_state
+        state = dataclasses.replace(state, drafter_state=dstate)
+        draft, sched = _jit_refine(spec, state, draft, planned, jnp.asarray(drafted))
+        return draft, dataclasses.replace(state, sched=sched)
+    planned = scheduler.plan(spec, state)
+    if may_skip:
+        shapes = jax.eval_shape(run)
+        drafted = jnp.asarray(spec.verify_widths)[planned] > 0
+        # the skip branch keeps the drafter's state (cast to the dtypes `propose` returns, as cond requires)
+        kept = jax.tree.map(lambda s, x: jnp.asarray(x, s.dtype), shapes[1], state.drafter_state)
+        draft, dstate = jax.lax.cond(drafted, run, lambda: (empty_draft(shapes[0]), kept))
+    else:
+        drafted = jnp.asarray(True)
+        draft, dstate = run()
+    state = dataclasses.replace(state, drafter_state=dstate)
+    draft, sched = scheduler.refine(spec, state, draft, planned, drafted)
+    return draft, dataclasses.replace(state, sched=sched)
 
 
 def empty_draft(like: Draft) -> Draft:
@@ -112,105 +142,20 @@ def empty_draft(like: Draft) -> Draft:
     return dataclasses.replace(zeros, parents=parents, valid=jnp.zeros(like.tokens.shape, bool))
 
 
-def adaptive_plan(spec: LoopSpec, state: LoopState) -> jax.Array:
-    # `refine` will see the draft when decoding is greedy or the draft deterministic (see adaptive_refine), so a
-    # draft that costs next to nothing is always made (`free_draft`): never for a host-side drafter, whose every
-    # drafted round is a host round trip where its plain rounds run in compiled bursts. Its profiled draft cost
-    # (the difference of two loop timings) read 0.7-6.4 ms by profile; at 0.7 ms suffix decoding counted as free,
-    # drafted every round and lost 17% on open chat (docs/BENCHMARKS.md session 23).
-    look = (spec.sampling.greedy or spec.drafter.deterministic) and spec.drafter.jittable
-    return spec.scheduler.plan(state.sched, spec.verify_widths, ~state.done, spec.drafter.kind == "tree", look,
-                               remaining=state.limit - state.num_new, ordered=spec.drafter.ordered_tree,
-                               evidence=spec.drafter.evidence_before_draft(_context(state)))
-
-
-def refine_width(spec: LoopSpec, sched, done, remaining, draft: Draft, planned, drafted):
-    """(draft cut to the width that pays, scheduler state): `adaptive_refine` on the fields it reads."""
-    # The draft's lengths may steer the width under greedy decoding, and when sampling only if the draft is
-    # deterministic (probs=None: a function of the committed context, never of this round's random draws).
-    look = spec.sampling.greedy or draft.probs is None
-    return spec.scheduler.refine(sched, draft, planned, drafted, spec.verify_widths, ~done, look,
-                                 spec.drafter.kind == "tree", remaining=remaining, ordered=spec.drafter.ordered_tree)
-
-
-def adaptive_refine(spec: LoopSpec, state: LoopState, draft: Draft, planned, drafted) -> tuple[Draft, LoopState]:
-    draft, sched = refine_width(spec, state.sched, state.done, state.limit - state.num_new, draft, planned, drafted)
-    return draft, dataclasses.replace(state, sched=sched)
-
-
-_jit_plan = jax.jit(adaptive_plan, static_argnames=("spec",))
+_jit_plan = jax.jit(lambda spec, state: spec.scheduler.plan(spec, state), static_argnames=("spec",))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def loop_status(spec: LoopSpec, state: LoopState) -> tuple[jax.Array, jax.Array]:
-    """(every row done, the adaptive width's plan or 0): what the host-stepped loop reads before each round, in one
-    call and one transfer."""
-    plan = adaptive_plan(spec, state) if isinstance(spec.scheduler, AdaptiveWidth) else jnp.int32(0)
-    return jnp.all(state.done), plan
+    """(every row done, the scheduler's plan): what the host-stepped loop reads before each round, in one call and
+    one transfer."""
+    return jnp.all(state.done), spec.scheduler.plan(spec, state)
 
 
-# The host-stepped loop refines outside a compiled loop: on the scheduler's fields alone, since a jitted function
-# that returned the whole LoopState would copy the KV cache into its output (~15 ms a round at batch 8).
-_jit_refine = jax.jit(lambda spec, sched, done, limit, num_new, draft, planned, drafted: refine_width(
-    spec, sched, done, limit - num_new, draft, planned, drafted), static_argnames=("spec",))
-
-
-def propose_adaptive(spec: LoopSpec, dparams, state: LoopState, key, planned=None) -> tuple[Draft, LoopState]:
-    """Step 1 under the adaptive verify width (specdec/adaptive.py): plan the width from the rows' history, draft
-    only if it is > 0 (and the drafter may skip), then cut the draft to the width that pays. `planned`: the plan,
-    if the host-stepped loop made it already (`loop_status`)."""
-    drafter = spec.drafter
-
-    def run():
-        return drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, key)
-
-    if not drafter.jittable:  # host-stepped loop: decide on the host, call the drafter only when it drafts
-        planned = np.int32(int(_jit_plan(spec, state)) if planned is None else planned)
-        drafted = (not drafter.skippable) or spec.verify_widths[planned] > 0
-        if drafted:
-            draft, dstate = run()
-        else:  # nothing proposed (a deterministic-looking empty draft: its probs are never read)
-            batch = state.seq.shape[0]
-            draft = Draft.chain(jnp.zeros((batch, drafter.num_draft_tokens), jnp.int32),
-                                valid=jnp.zeros((batch, drafter.num_draft_tokens), bool))
-            dstate = state.drafter_state
-        draft, sched = _jit_refine(spec, state.sched, state.done, state.limit, state.num_new, draft, planned,
-                                   jnp.asarray(drafted))
-        return draft, dataclasses.replace(state, drafter_state=dstate, sched=sched)
-    shapes = jax.eval_shape(run)
-    planned = adaptive_plan(spec, state)
-    if drafter.skippable:
-        drafted = jnp.asarray(spec.verify_widths)[planned] > 0
-        # the skip branch keeps the drafter's state (cast to the dtypes `propose` returns, as cond requires)
-        kept = jax.tree.map(lambda s, x: jnp.asarray(x, s.dtype), shapes[1], state.drafter_state)
-        draft, dstate = jax.lax.cond(drafted, run, lambda: (empty_draft(shapes[0]), kept))
-    else:
-        drafted = jnp.asarray(True)
-        draft, dstate = run()
-    return adaptive_refine(spec, dataclasses.replace(state, drafter_state=dstate), draft, planned, drafted)
-
-
-def bucket_widths(num_draft_tokens: int, buckets) -> tuple[int, ...]:
-    """The verify widths (draft nodes per target step) of `verify.buckets`: None, "none" or [] = always all N;
-    "auto" = 1, 2, 4, ... tokens per row (root + 0, 1, 3, 7, ... nodes) below N, then N; or an explicit list of
-    node counts in [0, N] (N is always added)."""
-    n = num_draft_tokens
-    if buckets is None or buckets == "none" or (not isinstance(buckets, str) and len(buckets) == 0):
-        return ()
-    if isinstance(buckets, str):
-        if buckets != "auto":
-            raise ValueError(f"verify.buckets must be 'none', 'auto' or a list of draft-node counts, got {buckets!r}")
-        widths, tokens = set(), 1
-        while tokens - 1 < n:
-            widths.add(tokens - 1)
-            tokens *= 2
-    else:
-        widths = {int(w) for w in buckets}
-        bad = [w for w in widths if not 0 <= w <= n]
-        if bad:
-            raise ValueError(f"verify.buckets: widths must be draft-node counts in [0, {n}] (num_draft_tokens), "
-                             f"got {sorted(bad)}")
-    return tuple(sorted(widths | {n}))
+# The host-stepped loop refines outside a compiled loop; the jitted call returns only the draft and the
+# scheduler's state, since one that returned the whole LoopState would copy the KV cache (~15 ms a round at batch 8).
+_jit_refine = jax.jit(lambda spec, state, draft, planned, drafted: spec.scheduler.refine(
+    spec, state, draft, planned, drafted), static_argnames=("spec",))
 
 
 def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, mask, need, width: int | None = None,
@@ -226,7 +171,7 @@ def target_verify(spec: LoopSpec, tparams, cache: KVCache, tokens, positions, ma
     `judge(logits, nodes) -> VerifyResult` (optional) verifies inside each branch, on the logits [B, 1 + W, V]
     of the positions the branch computed (nodes = W), and returns (StepOutput without logits, the result padded
     to N nodes). The policy then never reads the padding: at batch 8 an argmax over the N + 1 = 7 padded
-    positions cost a width-0 round ~14 ms more than a plain step (docs/BENCHMARKS.md session 15).
+    positions cost a width-0 round ~14 ms more than a plain step.
 
     The cache stays out of the switch: a branch that wrote it would make XLA copy every layer's cache in and
     out of the conditional (300 cache-sized copies per round on SmolLM2). So the branches only read the cache
@@ -331,13 +276,7 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, w
     node_depth = depth[:, 1:]
     levels = jnp.arange(1, num_nodes + 1)[None, :, None]
     has_level = trees.levels_present(draft.valid, depth)  # [B, N]
-    if isinstance(spec.scheduler, AdaptiveWidth):
-        if spec.scheduler.values_nodes(spec.drafter.kind == "tree", spec.drafter.ordered_tree):  # per node index
-            sched = spec.scheduler.observe(state.sched, draft.valid, result.num_accepted, active, path=result.path,
-                                           parents=draft.parents)
-        else:  # per draft depth
-            sched = spec.scheduler.observe(state.sched, has_level, result.num_accepted, active)
-        state = dataclasses.replace(state, sched=sched)
+    state = dataclasses.replace(state, sched=spec.scheduler.observe(spec, state, draft, depth, result, active))
     took_level = slot[:, :num_nodes] < kept[:, None]
     # Position j's verdict is observed when positions < j were kept and j was either kept or rejected (j == a,
     # no cut), with a candidate at depth j+1 below the accepted node at depth j (the root for j = 0).
@@ -374,7 +313,7 @@ def plain_round(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, upda
     `update_drafter=False` (host-side drafters, whose update cannot run in a compiled loop): no update; the
     caller updates once after a run of such rounds (`Drafter.syncs_from_context`)."""
     key, _ = jax.random.split(state.key)  # what `propose` would have used: the same stream of keys
-    state = dataclasses.replace(state, key=key, sched=spec.scheduler.skipped(state.sched, ~state.done))
+    state = dataclasses.replace(state, key=key, sched=spec.scheduler.skipped(spec, state))
     state, result, taps = verify_and_commit(spec, tparams, state, empty_draft(shapes), width=0)
     return update(spec, dparams, state, result, taps) if update_drafter else state
 
@@ -384,14 +323,13 @@ def plain_rounds(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, upd
     (no conditional around the cache), with the rows' history still updated. The plan is made again before
     every round, as the loop around it would: a skipped round changes no history, but the rows' remaining
     tokens (the makespan objective) and the exploration clock move (the plan costs well under a microsecond)."""
-    more = lambda s: ~jnp.all(s.done) & (adaptive_plan(spec, s) == 0)  # noqa: E731
+    more = lambda s: ~jnp.all(s.done) & (jnp.asarray(spec.verify_widths)[spec.scheduler.plan(spec, s)] == 0)  # noqa: E731
     return jax.lax.while_loop(more, lambda s: plain_round(spec, tparams, dparams, s, shapes, update_drafter), state)
 
 
 def runs_bursts(spec: LoopSpec, drafter: Drafter) -> bool:
     """Whether the host-stepped loop runs width-0 rounds in compiled bursts (`host_plain_rounds`)."""
-    return (isinstance(spec.scheduler, AdaptiveWidth) and not drafter.jittable and drafter.skippable
-            and drafter.syncs_from_context)
+    return spec.scheduler.may_skip and not drafter.jittable and drafter.skippable and drafter.syncs_from_context
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
@@ -409,7 +347,7 @@ def compiled_loop(spec: LoopSpec, tparams, dparams, state: LoopState) -> LoopSta
         draft, state = propose(spec, dparams, state)
         state, result, taps = verify_and_commit(spec, tparams, state, draft)
         state = update(spec, dparams, state, result, taps)
-        if isinstance(spec.scheduler, AdaptiveWidth) and spec.drafter.skippable:
+        if spec.scheduler.may_skip and spec.drafter.skippable:
             # while the adaptive width would skip the draft, run plain decode steps in a loop of their own
             shapes = jax.eval_shape(lambda: spec.drafter.propose(dparams, state.drafter_state, _context(state),
                                                                  spec.sampling, state.key)[0])
@@ -463,12 +401,12 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     """Speculative decoding of a batch of token-id prompts with any drafter and verification policy: a policy
     name (with its default options) or a `specdec.verify.Policy` (`get_policy("typical", epsilon=0.05)`).
 
-    `scheduler` (a `specdec.scheduling.Scheduler`) chooses each row's verify length per round from the drafter's
-    `draft_confidence`; None verifies every drafted token. `verify_buckets` ("auto" or draft-node counts, see
-    `bucket_widths`) lets a round whose rows all verify few nodes (a short schedule, an n-gram miss) run a
-    narrower target step; None runs all N + 1 positions every round. A `specdec.adaptive.AdaptiveWidth`
-    scheduler picks each round's verify width (0 = skip the draft) from measured round costs and the rows'
-    acceptance history; it always runs the buckets ("auto" unless given) plus width 0.
+    `scheduler` (specdec/scheduler.py; default `FixedWidth`: verify every drafted token) decides each round how
+    many draft nodes the target verifies: `ThresholdSchedule` / `PrefixSchedule` per row from the drafter's
+    `draft_confidence`, `AdaptiveWidth` the width that pays on this machine (0 = skip the draft). `verify_buckets`
+    ("auto" or draft-node counts, see `bucket_widths`) lets a round whose rows all verify few nodes (a short
+    schedule, an n-gram miss) run a narrower target step; None runs all N + 1 positions every round (the
+    adaptive width always runs the buckets, "auto" unless given, plus width 0).
 
     `on_round(draft, confidence, result, active)` (host-stepped loop only) is called after every round with the
     verified draft, the drafter's `draft_confidence` (None without one), the VerifyResult and the rows that were
@@ -481,7 +419,8 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     if drafter.kind == "tree" and not pol.supports_trees:
         raise ValueError(f"policy {pol.name!r} verifies chains only, but drafter {drafter.name!r} proposes trees; "
                          "use greedy_tree, multidraft_tree or typical")
-    if scheduler is not None and scheduler.needs_confidence:
+    scheduler = FixedWidth() if scheduler is None else scheduler
+    if scheduler.needs_confidence:
         if drafter.kind != "chain" or not drafter.has_confidence:
             raise ValueError(f"scheduler {scheduler.kind!r} needs a chain drafter with draft confidences "
                              f"(dflash, dspark); drafter {drafter.name!r} has none")
@@ -493,85 +432,72 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     prompts = [list(p) for p in prompts]
     n = drafter.num_draft_tokens
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
-    adaptive = isinstance(scheduler, AdaptiveWidth)
-    widths = bucket_widths(n, verify_buckets)
-    if adaptive:  # width 0 (a plain decode step) is always a choice
-        widths = tuple(sorted({0, *(widths or bucket_widths(n, "auto"))}))
-    if scheduler is not None and scheduler.kind == "prefix" and widths:
-        scheduler = dataclasses.replace(scheduler, verify_widths=widths)  # cost = the widths this loop runs
+    widths = scheduler.verify_widths(n, verify_buckets)
     spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
                     eos_ids=tuple(target.eos_token_ids), scheduler=scheduler, verify_widths=widths)
     pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     tokens, lengths = pad_prompts(prompts, pad)
     capacity = cache_capacity(lengths, max_new_tokens, extra=n + 1)
 
-    sched = None
-    if warmup and adaptive:
-        # Run every verify width once (and a draft that verifies nothing, and the width-0 loop or burst), which
-        # also compiles the loop: on XLA:CPU the first execution of a compiled branch costs ~0.2-0.3 s more than
-        # later ones, so a width first chosen in the timed run was billed to it (a 64-token quickstart answer
-        # took 0.73 s instead of 0.20 s; docs/BENCHMARKS.md session 12). A fresh state per run: the compiled
-        # loop donates its buffers.
-        for plan, refine in [(k, k) for k in range(len(widths))] + [(len(widths) - 1, 0)]:
-            blank = scheduler.init_state(len(tokens), n, (np.ones(len(widths)), 0.0), drafter.evidence_classes)
-            _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled,
-                 sched_state=blank.forced(plan, refine, valid=True))
-    elif warmup:
-        _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled)
-    if adaptive:
-        costs = round_costs(spec, target, drafter, tokens, lengths, capacity, compiled, rescale=warmup)
-        sched = scheduler.init_state(len(tokens), n, costs, drafter.evidence_classes)
+    probe = LoopProbe(spec, target, tokens, lengths, capacity, compiled)
+    measured = scheduler.prepare(probe)
+
+    def fresh_state():  # a fresh state per run: the compiled loop donates its buffers
+        return scheduler.init_state(len(tokens), n, drafter.evidence_classes, measured)
+
+    if warmup:  # the same compiled programs, run for 2 tokens
+        _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=fresh_state())
     return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round,
-                sched_state=sched)
+                sched_state=fresh_state())
 
 
 PROFILE_ROUNDS = 16  # loop iterations per forced width when measuring round costs
 
 
-def round_costs(spec: LoopSpec, target: Target, drafter: Drafter, tokens, lengths, capacity: int, compiled: bool,
-                rescale: bool = False):
-    """The adaptive width's round costs for this loop (cached per machine, model, drafter, batch and capacity;
-    measured on first use by running this very loop with each width forced, on random prompts of the same
-    shapes, so the compiled programs are the ones the real run uses).
+@dataclasses.dataclass(frozen=True)
+class LoopProbe:
+    """The loop a scheduler is about to run in, for what it must measure first (`Scheduler.prepare`): this very
+    loop, on random prompts of the same shapes, with the verify width forced (`specdec.costs.ForcedWidths`)."""
 
-    `rescale` (a warmed-up run): cached costs are scaled to the machine's speed now, by one fresh pass of plain
-    rounds against the cached C(0). A shared VM's speed drifts by 20-30% over minutes to hours (session 16: a
-    profile taken at 31 ms per plain round, then runs at 23 ms, so every prediction was 20-26% low); the
-    widths' cost *ratios*, which alone decide the rounds, stay put, but the predicted time follows the scale."""
-    sched: AdaptiveWidth = spec.scheduler
-    if sched.costs is not None:
-        if len(sched.costs[0]) != len(spec.verify_widths):
-            raise ValueError(f"adaptive costs give {len(sched.costs[0])} round costs, but this loop's verify widths "
-                             f"are {list(spec.verify_widths)}: give one cost per width")
-        return tuple(sched.costs[0]), float(sched.costs[1])
-    eos = set(spec.eos_ids)
-    rng = np.random.default_rng(0)
-    fake = rng.integers(0, target.cfg.vocab_size, size=np.shape(tokens)).astype(np.int32)
-    fake = np.where(np.isin(fake, list(eos)), (fake + 1) % target.cfg.vocab_size, fake)
+    spec: LoopSpec
+    target: Target
+    tokens: Any  # the padded prompts' shape (the random prompts take it)
+    lengths: Any
+    capacity: int
+    compiled: bool
 
-    def run_forced(plan: int, refine: int) -> float:
-        state = sched.init_state(len(tokens), drafter.num_draft_tokens, (np.ones(len(spec.verify_widths)), 0.0),
-                                 drafter.evidence_classes)
-        state = state.forced(plan, refine, valid=True)
-        with drafter.profiling():
-            out = _run(spec, target, drafter, fake, lengths, capacity, PROFILE_ROUNDS + 1, 0, compiled,
-                       sched_state=state)
+    @property
+    def drafter(self) -> Drafter:
+        return self.spec.drafter
+
+    @property
+    def batch(self) -> int:
+        return len(self.tokens)
+
+    def random_prompts(self) -> np.ndarray:
+        vocab, eos = self.target.cfg.vocab_size, list(self.spec.eos_ids)
+        fake = np.random.default_rng(0).integers(0, vocab, size=np.shape(self.tokens)).astype(np.int32)
+        return np.where(np.isin(fake, eos), (fake + 1) % vocab, fake)
+
+    def run_forced(self, plan: int, refine: int, measured) -> float:
+        """Seconds per loop iteration with the plan and refine decisions forced to those indices into the verify
+        widths, every draft node up to the width verified (PROFILE_ROUNDS iterations, after a compile run).
+        `measured`: what the scheduler's `init_state` takes (any value of the right shapes: overridden)."""
+        forced = ForcedWidths(self.spec.scheduler)
+        spec = dataclasses.replace(self.spec, scheduler=forced)
+        fake = self.random_prompts()
+        for rounds in (2, PROFILE_ROUNDS + 1):  # compile (once per process), then time
+            base = self.spec.scheduler.init_state(self.batch, self.drafter.num_draft_tokens,
+                                                  self.drafter.evidence_classes, measured)  # fresh: donated
+            with self.drafter.profiling():
+                out = _run(spec, self.target, self.drafter, fake, self.lengths, self.capacity, rounds, 0,
+                           self.compiled, sched_state=forced.init_state(
+                               self.batch, 0, 0, (base, plan, refine, len(spec.verify_widths))))
         return out.metrics.decode_seconds / max(sum(out.metrics.width_rounds), 1)
 
-    measured = []
-
-    def measure():
-        measured.append(True)
-        # a pure-JAX draft is timed alone: the difference of two noisy loop timings flipped `free_draft`
-        alone = (lambda: draft_seconds(spec, target, drafter, fake, lengths, capacity)) if drafter.jittable else None
-        return measure_round_costs(run_forced, len(spec.verify_widths), time_draft=alone)
-
-    key = cost_key(target, drafter, spec.policy.name, spec.sampling, len(tokens), capacity, spec.verify_widths)
-    round_cost, draft_cost = load_or_measure_round_costs(key, measure, sched.cost_path, sched.reprofile)
-    if rescale and not measured:
-        scale = run_forced(0, 0) / round_cost[0]
-        round_cost, draft_cost = tuple(c * scale for c in round_cost), draft_cost * scale
-    return round_cost, draft_cost
+    def draft_seconds(self) -> float:
+        return draft_seconds(self.spec, self.target, self.drafter, self.random_prompts(), self.lengths,
+                             self.capacity)
 
 
 def draft_seconds(spec: LoopSpec, target: Target, drafter: Drafter, tokens, lengths, capacity: int,
@@ -582,7 +508,7 @@ def draft_seconds(spec: LoopSpec, target: Target, drafter: Drafter, tokens, leng
     drafted round that verifies nothing and a plain one, two loop timings whose noise (~1-2 ms here) exceeds prompt
     lookup's whole draft (~1 us): one profile measured n-gram's draft at 3.8 ms, 14% of a round, so the
     adaptive width stopped treating it as free (`free_draft`) and the quickstart's rewrite prompt, replayed
-    with that profile, fell from 2.13x to 1.35x AR (docs/BENCHMARKS.md session 23)."""
+    with that profile, fell from 2.13x to 1.35x AR."""
     state = start(spec, target, drafter, target.init_cache(len(tokens), capacity), tokens, lengths, capacity,
                   PROFILE_ROUNDS, 0)
 
@@ -635,7 +561,6 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
         update_fn = _jit_update if drafter.jittable else update
         # a host-side drafter that syncs from the context skips whole runs of width-0 rounds in one call
         bursts = runs_bursts(spec, drafter) and on_round is None
-        adaptive = isinstance(spec.scheduler, AdaptiveWidth)
         while True:
             finished, planned = jax.device_get(loop_status(spec, state))
             if finished:
@@ -653,7 +578,7 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
             if drafter.jittable:
                 draft, state = _jit_propose(spec, drafter.params, state)
             else:
-                draft, state = propose(spec, drafter.params, state, planned if adaptive else None)
+                draft, state = propose(spec, drafter.params, state, planned)
             jax.block_until_ready(draft)
             tb = time.perf_counter()
             active = ~state.done if on_round is not None else None  # read before verify donates the state
@@ -681,14 +606,7 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
         prefill_seconds=t1 - t0, decode_seconds=t2 - t1, draft_seconds=draft_s, verify_seconds=verify_s,
         position_proposed=pos_proposed.tolist(), position_accepted=pos_accepted.tolist(),
         position_eligible=pos_eligible.tolist(), batch_size=len(tokens))
-    if state.sched is not None:  # the adaptive width's choices and its cost model's prediction of decode_seconds
-        metrics.verify_widths = list(spec.verify_widths)
-        metrics.width_rounds = to_host(state.sched.width_rounds).tolist()
-        metrics.skipped_drafts = int(to_host(state.sched.skipped_drafts))
-        metrics.predicted_seconds = float(to_host(state.sched.predicted_seconds))
-        metrics.round_costs = to_host(state.sched.round_cost).tolist()
-        metrics.draft_cost = float(to_host(state.sched.draft_cost))
-        metrics.expected_accepted = float(to_host(state.sched.expected_accepted))
-        metrics.realised_accepted = float(to_host(state.sched.realised_accepted))
+    for name, value in spec.scheduler.metrics(spec, state.sched).items():  # e.g. the adaptive width's choices
+        setattr(metrics, name, value)
     accept_lengths = [committed[i, : rounds[i]].tolist() for i in range(len(tokens))]
     return SpecOutput(tokens=rows, metrics=metrics, accept_lengths=accept_lengths)

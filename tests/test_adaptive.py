@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 
 from drafters import create_drafter
-from specdec import adaptive, engine
+from specdec import adaptive, costs, engine
 from specdec.adaptive import AdaptiveWidth
-from specdec.config import SchedulerConfig
+from specdec.config import ConfigError, apply_overrides, load_config
 from specdec.drafter import Draft
 from specdec.engine import speculative_generate
 from specdec.generate import generate
-from specdec.scheduling import make_scheduler
 from specdec.testing import PROMPTS, SAMPLING, assert_lossless, distribution_target, peaky_target, sampled_joint
 
 # Costs for widths (0, 1, 3, 4) (a 4-node draft with auto buckets) under which both skipping and verifying win,
@@ -25,9 +24,14 @@ from specdec.testing import PROMPTS, SAMPLING, assert_lossless, distribution_tar
 COSTS_4 = ((1.0, 1.25, 1.6, 1.8), 0.2)
 
 
+def given_costs(costs):
+    """AdaptiveWidth settings for given costs: ((seconds per round at each verify width), draft seconds)."""
+    return {"round_costs": tuple(costs[0]), "draft_cost": costs[1]}
+
+
 def state_with(sched, hits, reached, drafted, drafts, costs):
     """A state whose history (one evidence class) is the given counts [B, N]."""
-    st = sched.init_state(len(hits), len(hits[0]), costs)
+    st = sched.init_state(len(hits), len(hits[0]), 1, costs)
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     return dataclasses.replace(st, hits=f(hits)[:, None], reached=f(reached)[:, None], drafted=f(drafted),
                                drafts=f(drafts))
@@ -54,25 +58,25 @@ def test_plan_and_refine_golden():
     r, d = 1 / 11, sched.prior_depth
     np.testing.assert_allclose(np.asarray(sched.acceptance(st))[1], [r, r * d, r * d * d], rtol=1e-6)
     theta = [2 / 1.0, (2 + 1 + r) / 1.2, (4 + 1 + r + r ** 2 * d + r ** 3 * d ** 3) / 1.5]
-    assert int(sched.plan(st, widths, active, tree=False)) == int(np.argmax(theta)) == 2
+    assert int(sched.plan_width(st, widths, active, tree=False)) == int(np.argmax(theta)) == 2
     expensive = state_with(sched, hits, reached, drafted, drafts, ((1.0, 5.0, 10.0), 0.1))
-    assert int(sched.plan(expensive, widths, active, tree=False)) == 0
+    assert int(sched.plan_width(expensive, widths, active, tree=False)) == 0
     # only finished rows: nothing to gain, the narrowest width wins
-    assert int(sched.plan(st, widths, jnp.asarray([False, False]), tree=False)) == 0
+    assert int(sched.plan_width(st, widths, jnp.asarray([False, False]), tree=False)) == 0
 
     # refine with the real lengths: row 0 drafted 1 node, row 1 none -> width 1 beats 3 once the draft is paid
     draft = Draft.chain(jnp.ones((2, 3), jnp.int32), valid=jnp.asarray([[True, False, False], [False] * 3]))
-    cut, st2 = sched.refine(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
+    cut, st2 = sched.refine_width(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
     assert np.asarray(cut.valid).tolist() == [[True, False, False], [False] * 3]
     assert np.asarray(st2.width_rounds).tolist() == [0, 1, 0]  # the round ran width 1
     np.testing.assert_allclose(float(st2.predicted_seconds), 1.2)
     # without looking (a sampled draft), the planned width stands: here 1, so the 3-node draft is cut to 1
     full = Draft.chain(jnp.ones((2, 3), jnp.int32))
-    cut, st3 = sched.refine(st, full, jnp.asarray(1), jnp.asarray(True), widths, active, look=False, tree=False)
+    cut, st3 = sched.refine_width(st, full, jnp.asarray(1), jnp.asarray(True), widths, active, look=False, tree=False)
     assert np.asarray(cut.valid).tolist() == [[True, False, False]] * 2
     assert np.asarray(st3.width_rounds).tolist() == [0, 1, 0]
     # a skipped draft verifies nothing and costs a plain step
-    cut, st4 = sched.refine(st, full, jnp.asarray(0), jnp.asarray(False), widths, active, look=True, tree=False)
+    cut, st4 = sched.refine_width(st, full, jnp.asarray(0), jnp.asarray(False), widths, active, look=True, tree=False)
     assert not np.any(np.asarray(cut.valid)) and int(st4.skipped_drafts) == 1
     np.testing.assert_allclose(float(st4.predicted_seconds), 1.0)
 
@@ -83,14 +87,14 @@ def test_plan_reads_the_evidence_class_known_before_drafting():
     never; pooled they do not pay for a draft, class 1 alone pays for the widest width, class 0 alone for none."""
     sched = AdaptiveWidth()
     widths = (0, 1, 3)
-    st = sched.init_state(1, 3, ((1.0, 1.3, 2.0), 0.1), classes=2)
+    st = sched.init_state(1, 3, 2, ((1.0, 1.3, 2.0), 0.1))
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     st = dataclasses.replace(st, hits=f([[[0, 0, 0], [10, 10, 10]]]), reached=f([[[40, 0, 0], [10, 10, 10]]]),
                              drafted=f([[10, 10, 10]]), drafts=f([[10]]))
     active = jnp.asarray([True])
-    assert int(sched.plan(st, widths, active, tree=False)) == 0  # pooled: 10 of 50 accepted at position 1
-    assert int(sched.plan(st, widths, active, tree=False, evidence=jnp.asarray([1]))) == 2
-    assert int(sched.plan(st, widths, active, tree=False, evidence=jnp.asarray([0]))) == 0
+    assert int(sched.plan_width(st, widths, active, tree=False)) == 0  # pooled: 10 of 50 accepted at position 1
+    assert int(sched.plan_width(st, widths, active, tree=False, evidence=jnp.asarray([1]))) == 2
+    assert int(sched.plan_width(st, widths, active, tree=False, evidence=jnp.asarray([0]))) == 0
 
 
 def test_makespan_values_a_round_by_the_row_that_would_finish_last():
@@ -113,16 +117,16 @@ def test_makespan_values_a_round_by_the_row_that_would_finish_last():
 
     for left, expected in (((20, 20), 0), ((20, 5), 2), ((20, 19), 0)):
         assert int(np.argmax(theta(left))) == expected, (left, theta(left))
-        assert int(sched.plan(st, widths, active, tree=False, remaining=jnp.asarray(left))) == expected, left
+        assert int(sched.plan_width(st, widths, active, tree=False, remaining=jnp.asarray(left))) == expected, left
     # one token left in the only active row: no draft position can be committed, so width 0
-    assert int(sched.plan(st, widths, jnp.asarray([True, False]), tree=False, remaining=jnp.asarray([1, 5]))) == 0
-    assert int(sched.plan(st, widths, jnp.asarray([True, False]), tree=False, remaining=jnp.asarray([2, 5]))) == 1
+    assert int(sched.plan_width(st, widths, jnp.asarray([True, False]), tree=False, remaining=jnp.asarray([1, 5]))) == 0
+    assert int(sched.plan_width(st, widths, jnp.asarray([True, False]), tree=False, remaining=jnp.asarray([2, 5]))) == 1
     # refine cuts by the same rule: row 0 drafted 3 nodes, with 3 tokens left only 2 of them can be committed
     full = Draft.chain(jnp.ones((2, 3), jnp.int32))
-    cut, _ = sched.refine(st, full, jnp.asarray(2), jnp.asarray(True), widths, jnp.asarray([True, False]),
+    cut, _ = sched.refine_width(st, full, jnp.asarray(2), jnp.asarray(True), widths, jnp.asarray([True, False]),
                           look=True, tree=False, remaining=jnp.asarray([3, 5]))
     assert np.asarray(cut.valid)[0].tolist() == [True, True, True]  # width 3 is the bucket that covers 2 nodes
-    cut, _ = sched.refine(st, full, jnp.asarray(2), jnp.asarray(True), widths, jnp.asarray([True, False]),
+    cut, _ = sched.refine_width(st, full, jnp.asarray(2), jnp.asarray(True), widths, jnp.asarray([True, False]),
                           look=True, tree=False, remaining=jnp.asarray([2, 5]))
     assert np.asarray(cut.valid)[0].tolist() == [True, False, False]
     with pytest.raises(ValueError, match="objective"):
@@ -142,17 +146,17 @@ def test_an_ordered_tree_may_be_verified_by_prefix():
     # prefixes of 1, 2, 4 nodes reach levels 1, 2, 3: Theta = 1 / 1.0, 2 / 1.2, (2 + r) / 1.6, (2 + r + r^2) / 2.2
     theta = [1.0, 2 / 1.2 / 1.05, (2 + r) / 1.6 / 1.05, (2 + r + r * r) / 2.2 / 1.05]
     assert int(np.argmax(theta)) == 1
-    cut, st_ordered = sched.refine(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=True,
+    cut, st_ordered = sched.refine_width(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=True,
                                    ordered=True)
     assert np.asarray(cut.valid).tolist() == [[True, False, False, False]]
     assert np.asarray(st_ordered.width_rounds).tolist() == [0, 1, 0, 0]
     # the same tree, not in priority order: whole (theta[3] < 1) or nothing, so nothing
-    cut, st_whole = sched.refine(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=True)
+    cut, st_whole = sched.refine_width(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=True)
     assert not np.any(np.asarray(cut.valid)) and np.asarray(st_whole.width_rounds).tolist() == [1, 0, 0, 0]
     # exploring, an ordered tree verifies its narrowest prefix, any other tree the whole tree
     quiet = dataclasses.replace(st, quiet_rounds=jnp.asarray(99, jnp.int32))
-    assert int(sched.plan(quiet, widths, active, tree=True, ordered=True)) == 1
-    assert int(sched.plan(quiet, widths, active, tree=True)) == 3
+    assert int(sched.plan_width(quiet, widths, active, tree=True, ordered=True)) == 1
+    assert int(sched.plan_width(quiet, widths, active, tree=True)) == 3
 
 
 def test_path_products_is_the_cumulative_product_along_each_path():
@@ -185,13 +189,13 @@ def test_the_nodes_model_buys_breadth_the_levels_model_cannot_see():
     assert int(np.argmax(theta_levels)) == 1 and int(np.argmax(theta_nodes)) == 2
     for sched, want in ((levels, 1), (nodes, 2)):
         st = state_with(sched, costs=costs, **counts)
-        cut, st2 = sched.refine(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=True,
+        cut, st2 = sched.refine_width(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=True,
                                 ordered=True)
         assert np.asarray(cut.valid).tolist() == [[True] * want + [False] * (4 - want)], sched.tree_value
         if sched.tree_value == "nodes":  # the expected accepted drafts it recorded: the two candidates' sum
             np.testing.assert_allclose(float(jnp.sum(st2.round_expected)), a0 + a1, rtol=1e-5)
             assert np.asarray(st2.last_parents).tolist() == [[-1, -1, 0, 1]]  # the shape the next plan expects
-            assert int(sched.plan(st2, widths, active, tree=True, ordered=True)) == 2
+            assert int(sched.plan_width(st2, widths, active, tree=True, ordered=True)) == 2
     with pytest.raises(ValueError, match="tree_value"):
         AdaptiveWidth(tree_value="breadth")
 
@@ -201,12 +205,12 @@ def test_the_nodes_model_observes_each_node_whose_parent_was_accepted():
     root's children) were observed, node 1 accepted; node 3 (under node 1) observed and accepted; node 2 (under
     the rejected node 0) not observed. A finished row keeps its counts."""
     sched = AdaptiveWidth(decay=0.5, tree_value="nodes")
-    st = sched.init_state(2, 4, ((1.0, 1.0), 0.0))
+    st = sched.init_state(2, 4, 1, ((1.0, 1.0), 0.0))
     parents = jnp.asarray([[-1, -1, 0, 1]] * 2, jnp.int32)
     valid = jnp.ones((2, 4), bool)
     path = jnp.asarray([[1, 3, -1, -1], [0, -1, -1, -1]], jnp.int32)
     st = dataclasses.replace(st, last_drafted_levels=valid, last_drafted=jnp.asarray(True))
-    st = sched.observe(st, valid, jnp.asarray([2, 1]), jnp.asarray([True, False]), path=path, parents=parents)
+    st = sched.observe_round(st, valid, jnp.asarray([2, 1]), jnp.asarray([True, False]), path=path, parents=parents)
     np.testing.assert_allclose(np.asarray(st.reached)[:, 0], [[1, 1, 0, 1], [0, 0, 0, 0]])
     np.testing.assert_allclose(np.asarray(st.hits)[:, 0], [[0, 1, 0, 1], [0, 0, 0, 0]])
 
@@ -220,14 +224,14 @@ def test_node_scores_value_a_drafted_tree_by_this_rounds_draft():
     parents = jnp.asarray([[-1, -1, 0, 1]], jnp.int32)
     active = jnp.asarray([True])
     counts = dict(hits=[[2, 2, 2, 2]], reached=[[10] * 4], drafted=[[10] * 4], drafts=[[10]])
-    sched = AdaptiveWidth(tree_value="nodes", score_bins="0.5")
+    sched = AdaptiveWidth(tree_value="nodes", score_bins=(0.5,))
     assert sched.score_bins == (0.5,) and sched.num_score_bins == 2
     st = state_with(sched, costs=costs, **counts)
 
     def width(st, scores):
         tree = dataclasses.replace(Draft.tree(jnp.ones((1, 4), jnp.int32), parents),
                                    scores=jnp.asarray([scores], jnp.float32))
-        cut, st2 = sched.refine(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True,
+        cut, st2 = sched.refine_width(st, tree, jnp.asarray(3), jnp.asarray(True), widths, active, look=True,
                                 tree=True, ordered=True)
         return int(np.sum(np.asarray(cut.valid))), st2
 
@@ -249,7 +253,7 @@ def test_node_scores_are_calibrated_by_the_nodes_observed():
     """`observe` adds each scored node whose parent was accepted to its score bin: its score to the expected
     acceptances, 1 to the realised ones if it was accepted; the counts decay per observation."""
     sched = AdaptiveWidth(decay=0.5, tree_value="nodes", score_bins=(0.5,))
-    st = sched.init_state(1, 4, ((1.0, 1.0), 0.0))
+    st = sched.init_state(1, 4, 1, ((1.0, 1.0), 0.0))
     parents = jnp.asarray([[-1, -1, 0, 1]], jnp.int32)
     valid = jnp.ones((1, 4), bool)
     st = dataclasses.replace(st, last_drafted_levels=valid, last_drafted=jnp.asarray(True),
@@ -257,61 +261,35 @@ def test_node_scores_are_calibrated_by_the_nodes_observed():
                              score_expected=jnp.asarray([[[2.0, 4.0]]]), score_realised=jnp.asarray([[[1.0, 2.0]]]))
     # accepted path: node 0 then node 2; node 1 observed and rejected; node 3 (under node 1) not observed
     path = jnp.asarray([[0, 2, -1, -1]], jnp.int32)
-    st = sched.observe(st, valid, jnp.asarray([2]), jnp.asarray([True]), path=path, parents=parents)
+    st = sched.observe_round(st, valid, jnp.asarray([2]), jnp.asarray([True]), path=path, parents=parents)
     # low bin: node 1 (0.3, rejected), decay 0.5 once; high bin: nodes 0 and 2 (0.8 + 0.6, both accepted), 0.25
     np.testing.assert_allclose(np.asarray(st.score_expected), [[[2.0 * 0.5 + 0.3, 4.0 * 0.25 + 1.4]]], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(st.score_realised), [[[1.0 * 0.5, 2.0 * 0.25 + 2.0]]], rtol=1e-6)
-    for bad in ("0.5/0.2", (0.0, 0.5), "x"):
+    for bad in ((0.5, 0.2), (0.0, 0.5), ("x",)):
         with pytest.raises(ValueError, match="score_bins"):
             AdaptiveWidth(score_bins=bad)
 
 
 def test_observe_counts_reached_and_accepted_positions():
     sched = AdaptiveWidth(decay=0.5)
-    st = sched.init_state(2, 3, ((1.0, 1.0), 0.0))
+    st = sched.init_state(2, 3, 1, ((1.0, 1.0), 0.0))
     draft = Draft.chain(jnp.ones((2, 3), jnp.int32), valid=jnp.asarray([[True, True, True], [True, True, False]]))
     st = dataclasses.replace(st, last_drafted_levels=draft.valid, last_drafted=jnp.asarray(True))  # a chain
-    st = sched.observe(st, draft.valid, jnp.asarray([1, 2]), jnp.asarray([True, True]))
+    st = sched.observe_round(st, draft.valid, jnp.asarray([1, 2]), jnp.asarray([True, True]))
     # row 0 accepted 1 of 3: positions 1-2 reached, 1 hit; row 1 accepted both valid nodes: 1-2 reached and hit
     assert np.asarray(st.reached)[:, 0].tolist() == [[1, 1, 0], [1, 1, 0]]
     assert np.asarray(st.hits)[:, 0].tolist() == [[1, 0, 0], [1, 1, 0]]
     assert np.asarray(st.drafted).tolist() == [[1, 1, 1], [1, 1, 0]]
-    st = sched.observe(st, draft.valid, jnp.asarray([0, 0]), jnp.asarray([True, False]))  # row 1 finished: kept
+    st = sched.observe_round(st, draft.valid, jnp.asarray([0, 0]), jnp.asarray([True, False]))  # row 1 finished: kept
     # row 0 rejected position 1: only position 1 was observed, so only its counts decay
     assert np.asarray(st.reached)[:, 0].tolist() == [[1.5, 1, 0], [1, 1, 0]]
     assert np.asarray(st.hits)[:, 0].tolist() == [[0.5, 0, 0], [1, 1, 0]]
     assert np.asarray(st.drafted).tolist() == [[1.5, 1.5, 1.5], [1, 1, 0]]
     # a round that verified nothing (the draft skipped) decays nothing
     st = dataclasses.replace(st, last_drafted=jnp.asarray(False))
-    same = sched.observe(st, jnp.zeros((2, 3), bool), jnp.asarray([0, 0]), jnp.asarray([True, True]))
+    same = sched.observe_round(st, jnp.zeros((2, 3), bool), jnp.asarray([0, 0]), jnp.asarray([True, True]))
     for name in ("hits", "reached", "drafted", "drafts"):
         assert np.array_equal(getattr(same, name), getattr(st, name)), name
-
-
-def test_slow_start_widens_only_after_deeper_acceptances():
-    """With `slow_start`, a row values draft positions up to twice the deepest one it has had accepted (at least
-    position 1): a fresh row verifies the narrowest width, and the width doubles as deeper drafts are accepted."""
-    widths, active = (0, 1, 3, 7), jnp.asarray([True])
-    costs = ((1.0, 1.1, 1.2, 1.3), 0.0)  # cheap verification: without slow start a fresh row goes wide
-    fresh = state_with(AdaptiveWidth(), [[0] * 7], [[0] * 7], [[0] * 7], [[0]], costs)
-    assert int(AdaptiveWidth().plan(fresh, widths, active, tree=False)) == 3
-    slow = AdaptiveWidth(slow_start=True)
-    assert np.asarray(slow.reach(fresh)).tolist() == [[True] + [False] * 6]
-    np.testing.assert_allclose(np.asarray(slow.survival(fresh))[0], [1, 0, 0, 0, 0, 0, 0])
-    assert int(slow.plan(fresh, widths, active, tree=False)) == 1
-    # accepted up to position 2 (in any class): positions up to 4 count, so width 3 is the best
-    two = state_with(slow, [[1, 1, 0, 0, 0, 0, 0]], [[1, 1, 1, 0, 0, 0, 0]], [[1] * 7], [[1]], costs)
-    assert np.asarray(slow.reach(two)).tolist() == [[True] * 4 + [False] * 3]
-    assert int(slow.plan(two, widths, active, tree=False)) == 2
-    # refine looks at the class's history too: a 7-node draft is still cut to the reach
-    draft = Draft.chain(jnp.ones((1, 7), jnp.int32))
-    cut, _ = slow.refine(two, draft, jnp.asarray(3), jnp.asarray(True), widths, active, look=True, tree=False)
-    assert np.asarray(cut.valid).tolist() == [[True] * 3 + [False] * 4]
-    # a hit at position 4 reaches all 7; a decayed count still counts (it never reaches 0)
-    deep = state_with(slow, [[1, 1, 1, 0.01, 0, 0, 0]], [[1, 1, 1, 1, 1, 0, 0]], [[1] * 7], [[1]], costs)
-    assert np.asarray(slow.reach(deep)).all()
-    assert int(slow.plan(deep, widths, active, tree=False)) == 3
-    assert make_scheduler(SchedulerConfig(kind="adaptive", slow_start=True)).slow_start
 
 
 def test_a_fresh_class_values_deeper_positions_less():
@@ -325,23 +303,23 @@ def test_a_fresh_class_values_deeper_positions_less():
     seen = state_with(sched, [[1, 0, 0, 0]], [[1, 1, 0, 0]], [[1, 1, 0, 0]], [[1]], ((1.0, 1.2), 0.0))
     r2 = (0 + 0.8 * 1.0) / (1 + 1)
     np.testing.assert_allclose(np.asarray(sched.acceptance(seen)), [[1.0, r2, 0.8 * r2, 0.64 * r2]], rtol=1e-6)
-    old = AdaptiveWidth(prior_depth=1.0)  # the session-22 behaviour: every depth as the one before
+    old = AdaptiveWidth(prior_depth=1.0)  # every depth valued as the one before
     np.testing.assert_allclose(np.asarray(old.acceptance(fresh)), [[1.0] * 4])
 
 
 def test_calibration_scales_expected_gains_by_realised_over_expected():
     """Each verified round records what the per-row estimates expected of it (uncalibrated) and what it realised;
     their decayed ratio scales every expected gain, so estimates that keep over-promising stop buying widths."""
-    sched = AdaptiveWidth(calibration_weight=2.0, calibration_decay=0.5, calibration_per_position=False)
+    sched = AdaptiveWidth(calibration_weight=2.0, calibration_decay=0.5)
     widths = (0, 1, 3)
     active = jnp.asarray([True, True])
     # both rows accepted 9 of their last 10 drafts at every position: raw estimates favour verifying
     st = state_with(sched, [[9, 9, 9]] * 2, [[10, 10, 10]] * 2, [[10, 10, 10]] * 2, [[10], [10]],
                     ((1.0, 1.5, 1.9), 0.1))
     assert np.all(np.asarray(sched.calibration(st)) == 1.0)
-    assert int(sched.plan(st, widths, active, tree=False)) == 2
+    assert int(sched.plan_width(st, widths, active, tree=False)) == 2
     draft = Draft.chain(jnp.ones((2, 3), jnp.int32))
-    _, st = sched.refine(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
+    _, st = sched.refine_width(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
     # conditional rates: position 1 from the prior 1, deeper ones from the position before times prior_depth (9 of
     # 10 each)
     d = sched.prior_depth
@@ -351,34 +329,30 @@ def test_calibration_scales_expected_gains_by_realised_over_expected():
     expected = 2 * (r1 + r1 * r2 + r1 * r2 * r3)  # two rows, three positions, survival products
     np.testing.assert_allclose(np.asarray(st.round_expected), [2 * r1, 2 * r1 * r2, 2 * r1 * r2 * r3], rtol=1e-6)
     # the round realises nothing: both rows reject position 1
-    st = sched.observe(st, draft.valid, jnp.asarray([0, 0]), active)
+    st = sched.observe_round(st, draft.valid, jnp.asarray([0, 0]), active)
     np.testing.assert_allclose([float(st.expected_accepted), float(st.realised_accepted)], [expected, 0.0],
                                rtol=1e-6)
     np.testing.assert_allclose(np.asarray(sched.calibration(st)), [2.0 / (expected + 2.0)] * 3, rtol=1e-6)
-    # by position (the default), each position has its own ratio
-    by_position = np.asarray(dataclasses.replace(sched, calibration_per_position=True).calibration(st))
-    np.testing.assert_allclose(by_position, [2.0 / (2 * r1 + 2), 2.0 / (2 * r1 * r2 + 2), 2.0 / (2 * r1 * r2 * r3 + 2)],
-                               rtol=1e-6)
     # a second such round, verified at the planned width (a sampled draft: refine does not look): the sums
     # decay by 0.5 before adding (the row counts moved too)
-    _, st = sched.refine(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=False, tree=False)
+    _, st = sched.refine_width(st, draft, jnp.asarray(2), jnp.asarray(True), widths, active, look=False, tree=False)
     second = float(np.sum(st.round_expected))
-    st = sched.observe(st, draft.valid, jnp.asarray([0, 0]), active)
+    st = sched.observe_round(st, draft.valid, jnp.asarray([0, 0]), active)
     np.testing.assert_allclose(np.asarray(sched.calibration(st))[0], 2.0 / (0.5 * expected + second + 2.0),
                                rtol=1e-6)
     # with the row estimates put back to the optimistic ones, the calibrated plan no longer verifies
     optimistic = dataclasses.replace(st, hits=one_class(np.full((2, 3), 9.0)), reached=one_class(np.full((2, 3), 10.0)))
-    assert int(sched.plan(optimistic, widths, active, tree=False)) == 0
-    assert int(AdaptiveWidth(calibration_weight=0).plan(optimistic, widths, active, tree=False)) == 2
+    assert int(sched.plan_width(optimistic, widths, active, tree=False)) == 0
+    assert int(AdaptiveWidth(calibration_weight=0).plan_width(optimistic, widths, active, tree=False)) == 2
     # a single row is not calibrated (calibration_min_batch 2): its own history is its feedback
     one = jax.tree.map(lambda x: x[:1] if x.ndim >= 1 and x.shape[0] == 2 else x, optimistic)  # row 0 alone
     assert np.all(np.asarray(sched.calibration(one)) == 1.0)
-    assert int(sched.plan(one, widths, active[:1], tree=False)) == 2
+    assert int(sched.plan_width(one, widths, active[:1], tree=False)) == 2
     # a round that verified nothing leaves the calibration alone
-    _, quiet = sched.refine(optimistic, draft, jnp.asarray(0), jnp.asarray(False), widths, active, look=True,
+    _, quiet = sched.refine_width(optimistic, draft, jnp.asarray(0), jnp.asarray(False), widths, active, look=True,
                             tree=False)
     assert not np.any(np.asarray(quiet.round_expected))
-    quiet = sched.observe(quiet, jnp.zeros((2, 3), bool), jnp.asarray([0, 0]), active)
+    quiet = sched.observe_round(quiet, jnp.zeros((2, 3), bool), jnp.asarray([0, 0]), active)
     assert np.array_equal(sched.calibration(quiet), sched.calibration(st))
 
 
@@ -387,28 +361,28 @@ def test_exploration_verifies_after_a_run_of_quiet_rounds():
     both must verify (the narrowest width > 0); a verifying round restarts the clock."""
     sched = AdaptiveWidth(explore_every=3, explore_budget=0)  # the cadence alone (no cost floor)
     widths = (0, 1, 3)
-    st = sched.init_state(1, 3, ((1.0, 1.5, 2.0), 0.1))
+    st = sched.init_state(1, 3, 1, ((1.0, 1.5, 2.0), 0.1))
     st = dataclasses.replace(st, hits=one_class(np.zeros((1, 3))), reached=one_class(np.full((1, 3), 50.0)),
                              drafted=jnp.full((1, 3), 50.0), drafts=jnp.full((1, 1), 50.0))
     active = jnp.asarray([True])
     draft = Draft.chain(jnp.ones((1, 3), jnp.int32))
     plans = []
     for _ in range(5):
-        k = sched.plan(st, widths, active, tree=False)
+        k = sched.plan_width(st, widths, active, tree=False)
         plans.append(int(k))
-        _, st = sched.refine(st, draft, k, k > 0, widths, active, look=True, tree=False)
+        _, st = sched.refine_width(st, draft, k, k > 0, widths, active, look=True, tree=False)
     assert plans == [0, 0, 0, 1, 0]  # three quiet rounds, then one that verifies the narrowest width
     assert int(st.quiet_rounds) == 1
 
     # a history where, of the widths > 0, the widest would pay best (but width 0 still wins): the exploring
     # round still verifies the narrowest, the cheapest way to learn whether drafts are accepted again
-    st = sched.init_state(1, 3, ((1.0, 1.5, 1.6), 0.1))
+    st = sched.init_state(1, 3, 1, ((1.0, 1.5, 1.6), 0.1))
     st = dataclasses.replace(st, hits=one_class(np.full((1, 3), 15.0)), reached=one_class(np.full((1, 3), 50.0)),
                              drafted=jnp.full((1, 3), 50.0), drafts=jnp.full((1, 1), 50.0),
                              quiet_rounds=jnp.asarray(3, jnp.int32))
     assert int(sched._best(jnp.asarray([1.0, 1.3, 1.42]), st.round_cost, jnp.asarray([False, True, True]))) == 2
-    assert int(sched.plan(st, widths, active, tree=False)) == 1
-    _, st = sched.refine(st, draft, jnp.asarray(1), jnp.asarray(True), widths, active, look=True, tree=False)
+    assert int(sched.plan_width(st, widths, active, tree=False)) == 1
+    _, st = sched.refine_width(st, draft, jnp.asarray(1), jnp.asarray(True), widths, active, look=True, tree=False)
     assert st.width_rounds.tolist() == [0, 1, 0]
 
 
@@ -416,22 +390,22 @@ def test_exploration_backs_off_while_verified_drafts_fail():
     """Each verified round whose accepted drafts do not pay for its width doubles the quiet gap before the next
     exploration (up to explore_max); a round that pays resets it; width-0 rounds leave it alone."""
     sched = AdaptiveWidth(explore_every=2, explore_max=8, explore_budget=0)
-    st = sched.init_state(2, 3, ((1.0, 1.5, 2.0), 0.1))
+    st = sched.init_state(2, 3, 1, ((1.0, 1.5, 2.0), 0.1))
     active = jnp.asarray([True, True])
     verified = jnp.asarray([[True, True, False], [True, False, False]])
     nothing = jnp.zeros((2, 3), bool)
     gaps = []
     for accepted, levels in ([0, 0], verified), ([0, 0], verified), ([0, 0], nothing), ([0, 0], verified), \
                             ([0, 0], verified), ([0, 1], verified):
-        st = sched.observe(st, levels, jnp.asarray(accepted, jnp.int32), active)
+        st = sched.observe_round(st, levels, jnp.asarray(accepted, jnp.int32), active)
         gaps.append(int(st.explore_gap))
     assert gaps == [4, 8, 8, 8, 8, 2]
     # a round must pay for its width to reset the gap: two rows at C(W) / C(0) = 1.75 need 1.5 accepted drafts
     st = dataclasses.replace(st, round_break_even=jnp.asarray(1.5, jnp.float32))
-    assert int(sched.observe(st, verified, jnp.asarray([0, 1], jnp.int32), active).explore_gap) == 4
-    assert int(sched.observe(st, verified, jnp.asarray([1, 1], jnp.int32), active).explore_gap) == 2
+    assert int(sched.observe_round(st, verified, jnp.asarray([0, 1], jnp.int32), active).explore_gap) == 4
+    assert int(sched.observe_round(st, verified, jnp.asarray([1, 1], jnp.int32), active).explore_gap) == 2
     # refine records the break-even of the width it runs: width 3 at cost 2.0 for two active rows
-    _, ran3 = sched.refine(st, Draft.chain(jnp.ones((2, 3), jnp.int32)), jnp.asarray(2), jnp.asarray(True),
+    _, ran3 = sched.refine_width(st, Draft.chain(jnp.ones((2, 3), jnp.int32)), jnp.asarray(2), jnp.asarray(True),
                            (0, 1, 3), active, look=False, tree=False)
     assert float(ran3.round_break_even) == 2 * (2.0 / 1.0 - 1.0)
     # the gap is what the plan waits for: 3 quiet rounds do not explore at gap 4, the 4th does
@@ -440,9 +414,9 @@ def test_exploration_backs_off_while_verified_drafts_fail():
                              drafts=jnp.full((2, 1), 50.0))
     plans = []
     for _ in range(5):
-        k = sched.plan(st, (0, 1, 3), active, tree=False)
+        k = sched.plan_width(st, (0, 1, 3), active, tree=False)
         plans.append(int(k))
-        _, st = sched.refine(st, Draft.chain(jnp.ones((2, 3), jnp.int32)), k, k > 0, (0, 1, 3), active,
+        _, st = sched.refine_width(st, Draft.chain(jnp.ones((2, 3), jnp.int32)), k, k > 0, (0, 1, 3), active,
                              look=True, tree=False)
     assert plans == [0, 0, 0, 0, 1]
     with pytest.raises(ValueError, match="explore_max"):
@@ -457,14 +431,14 @@ def test_exploration_waits_until_its_cost_fits_the_budget():
     draft = Draft.chain(jnp.ones((1, 3), jnp.int32))
     for costs, explore_max, first in (((1.0, 1.2, 2.0), 64, 10), ((1.0, 3.0, 4.0), 16, 16)):
         sched = AdaptiveWidth(explore_every=3, explore_max=explore_max, explore_budget=0.02)
-        st = sched.init_state(1, 3, (costs, 0.1))
+        st = sched.init_state(1, 3, 1, (costs, 0.1))
         st = dataclasses.replace(st, hits=one_class(np.zeros((1, 3))), reached=one_class(np.full((1, 3), 50.0)),
                                  drafted=jnp.full((1, 3), 50.0), drafts=jnp.full((1, 1), 50.0))
         plans = []
         for _ in range(first + 1):
-            k = sched.plan(st, widths, active, tree=False)
+            k = sched.plan_width(st, widths, active, tree=False)
             plans.append(int(k))
-            _, st = sched.refine(st, draft, k, k > 0, widths, active, look=True, tree=False)
+            _, st = sched.refine_width(st, draft, k, k > 0, widths, active, look=True, tree=False)
         assert plans == [0] * first + [1], (costs, plans)
     with pytest.raises(ValueError, match="explore_budget"):
         AdaptiveWidth(explore_budget=1.0)
@@ -476,7 +450,7 @@ def test_history_is_kept_per_evidence_class():
     throughput objective: row 1's hopeless draft rides along in the round row 0's long match pays for)."""
     sched = AdaptiveWidth(objective="throughput")
     widths = (0, 1, 3)
-    st = sched.init_state(2, 3, ((1.0, 1.3, 1.6), 0.1), classes=5)
+    st = sched.init_state(2, 3, 5, ((1.0, 1.3, 1.6), 0.1))
     hopeless = np.zeros((2, 5, 3), np.float32)
     hopeless[:, 0] = 50.0  # class 0: reached 50 times, never accepted
     st = dataclasses.replace(st, hits=jnp.zeros((2, 5, 3)), reached=jnp.asarray(hopeless),
@@ -488,16 +462,16 @@ def test_history_is_kept_per_evidence_class():
     np.testing.assert_allclose(np.asarray(sched.acceptance(st, jnp.asarray([2, 2])))[:, 0], [1.0] * 2, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(sched.acceptance(st))[:, 0], [1 / 51] * 2, rtol=1e-6)
     # pooled over the classes (the plan, before drafting): as hopeless as class 0
-    assert int(sched.plan(st, widths, active, tree=False)) == 0
+    assert int(sched.plan_width(st, widths, active, tree=False)) == 0
     short = Draft.chain(jnp.ones((2, 3), jnp.int32), evidence=jnp.asarray([0, 0]))
-    cut, st_short = sched.refine(st, short, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
+    cut, st_short = sched.refine_width(st, short, jnp.asarray(2), jnp.asarray(True), widths, active, look=True, tree=False)
     assert not np.any(np.asarray(cut.valid))  # drafted, but verifying pays for neither row
     long_row0 = Draft.chain(jnp.ones((2, 3), jnp.int32), evidence=jnp.asarray([4, 0]))
-    cut, st_long = sched.refine(st, long_row0, jnp.asarray(2), jnp.asarray(True), widths, active, look=True,
+    cut, st_long = sched.refine_width(st, long_row0, jnp.asarray(2), jnp.asarray(True), widths, active, look=True,
                                 tree=False)
     assert np.asarray(cut.valid).tolist() == [[True] * 3, [True] * 3]  # row 0's long match pays for the round
     assert np.asarray(st_long.last_class).tolist() == [4, 0]
-    st_long = sched.observe(st_long, cut.valid, jnp.asarray([3, 0]), active)
+    st_long = sched.observe_round(st_long, cut.valid, jnp.asarray([3, 0]), active)
     hits, reached = np.asarray(st_long.hits), np.asarray(st_long.reached)
     assert hits[0, 4].tolist() == [1, 1, 1] and reached[0, 4].tolist() == [1, 1, 1]  # row 0: class 4 only
     assert np.array_equal(reached[0, :4], hopeless[0, :4]) and not hits[0, :4].any()
@@ -513,15 +487,15 @@ def test_a_nearly_free_draft_is_always_made_when_refine_can_look():
     hopeless = dict(hits=[[0, 0, 0]], reached=[[50, 50, 50]], drafted=[[50, 50, 50]], drafts=[[50]])
     cheap = state_with(AdaptiveWidth(), **hopeless, costs=((1.0, 1.3, 1.6), 0.02))
     dear = state_with(AdaptiveWidth(), **hopeless, costs=((1.0, 1.3, 1.6), 0.05))
-    assert int(AdaptiveWidth().plan(cheap, widths, active, tree=False, look=True)) > 0
-    assert int(AdaptiveWidth().plan(cheap, widths, active, tree=False, look=False)) == 0
-    assert int(AdaptiveWidth().plan(dear, widths, active, tree=False, look=True)) == 0
-    assert int(AdaptiveWidth(free_draft=0.0).plan(cheap, widths, active, tree=False, look=True)) == 0
+    assert int(AdaptiveWidth().plan_width(cheap, widths, active, tree=False, look=True)) > 0
+    assert int(AdaptiveWidth().plan_width(cheap, widths, active, tree=False, look=False)) == 0
+    assert int(AdaptiveWidth().plan_width(dear, widths, active, tree=False, look=True)) == 0
+    assert int(AdaptiveWidth(free_draft=0.0).plan_width(cheap, widths, active, tree=False, look=True)) == 0
     # only in batches of at most free_draft_max_batch rows (a batch of 2 decides from its history)
     pair = state_with(AdaptiveWidth(), **{k: v * 2 for k, v in hopeless.items()}, costs=((1.0, 1.3, 1.6), 0.02))
     both = jnp.asarray([True, True])
-    assert int(AdaptiveWidth().plan(pair, widths, both, tree=False, look=True)) == 0
-    assert int(AdaptiveWidth(free_draft_max_batch=2).plan(pair, widths, both, tree=False, look=True)) > 0
+    assert int(AdaptiveWidth().plan_width(pair, widths, both, tree=False, look=True)) == 0
+    assert int(AdaptiveWidth(free_draft_max_batch=2).plan_width(pair, widths, both, tree=False, look=True)) > 0
     with pytest.raises(ValueError, match="free_draft_max_batch"):
         AdaptiveWidth(free_draft_max_batch=0)
     with pytest.raises(ValueError, match="free_draft"):
@@ -562,9 +536,9 @@ def test_a_skipped_round_is_recorded_as_refine_records_a_skipped_draft():
                             rng.uniform(10, 20, (2, 1)), ((1.0, 1.3, 1.7), 0.1))
             remaining = jnp.asarray(rng.integers(1, 40, 2), jnp.int32)
             for _ in range(5):
-                _, by_refine = sched.refine(st, empty, jnp.asarray(0), jnp.asarray(False), widths, active,
+                _, by_refine = sched.refine_width(st, empty, jnp.asarray(0), jnp.asarray(False), widths, active,
                                             look=True, tree=False, remaining=remaining)
-                st = sched.skipped(st, active)
+                st = sched.record_skip(st, active)
                 for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(by_refine)):
                     np.testing.assert_allclose(np.asarray(a), np.asarray(b))
                 remaining = remaining - 1
@@ -577,7 +551,7 @@ def test_a_width_must_beat_a_plain_step_by_the_margin():
     for margin, expected in ((0.0, 1), (0.05, 0)):
         sched = AdaptiveWidth(margin=margin, prior_weight=1e-6)
         st = state_with(sched, [[60.0]], [[100.0]], [[100.0]], [[100.0]], ((1.0, 1.55), 0.0))
-        assert int(sched.plan(st, widths, jnp.asarray([True]), tree=False)) == expected, margin
+        assert int(sched.plan_width(st, widths, jnp.asarray([True]), tree=False)) == expected, margin
     with pytest.raises(ValueError, match="margin"):
         AdaptiveWidth(margin=1.0)
 
@@ -605,7 +579,7 @@ def test_host_side_drafter_runs_width_0_rounds_in_compiled_bursts(monkeypatch):
     # not made for nothing)
     costs = ((1.0, 5.0, 5.0, 5.0), 0.1)
     out = speculative_generate(target, drafter, PROMPTS, policy="greedy_tree", max_new_tokens=17,
-                               scheduler=AdaptiveWidth(costs=costs, explore_every=4))
+                               scheduler=AdaptiveWidth(**given_costs(costs), explore_every=4))
     assert out.tokens == ar.tokens
     m = out.metrics
     assert calls["burst"] > 0 and m.width_rounds[0] > calls["burst"]  # several width-0 rounds per call
@@ -632,7 +606,7 @@ def test_adaptive_greedy_equals_ar_with_rounds_of_every_width():
         # trees run widths 0 or 4 (then as narrow as the tree)
         costs = ((1.0, 1.5, 2.0, 2.5), 0.2) if name == "tree" else COSTS_4
         batch = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=17,
-                                     scheduler=AdaptiveWidth(costs=costs, explore_every=4, tree_value=tree_value))
+                                     scheduler=AdaptiveWidth(**given_costs(costs), explore_every=4, tree_value=tree_value))
         name = f"{name} ({tree_value})"
         assert batch.tokens == ar.tokens, name
         m = batch.metrics
@@ -653,22 +627,21 @@ def test_free_drafts_with_evidence_keep_greedy_equal_to_ar():
     target = peaky_target(3)
     ar = generate(target, PROMPTS, max_new_tokens=17)
     drafter = create_drafter("ngram", target, 4, max_ngram=2)
-    for slow_start in (False, True):
-        out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=17,
-                                   scheduler=AdaptiveWidth(costs=((1.0, 1.25, 1.6, 1.8), 0.01), explore_every=4,
-                                                           free_draft_max_batch=len(PROMPTS), slow_start=slow_start))
-        assert out.tokens == ar.tokens, slow_start
-        m = out.metrics
-        assert m.skipped_drafts == 0 and m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, m.width_rounds
+    out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=17,
+                               scheduler=AdaptiveWidth(**given_costs(((1.0, 1.25, 1.6, 1.8), 0.01)), explore_every=4,
+                                                       free_draft_max_batch=len(PROMPTS)))
+    assert out.tokens == ar.tokens
+    m = out.metrics
+    assert m.skipped_drafts == 0 and m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, m.width_rounds
 
 
 def test_a_host_side_draft_is_never_free():
     """With the same near-zero draft cost, the pure-JAX n-gram drafter drafts every round (`free_draft`), while
     suffix decoding, a host-side drafter, still skips the draft when its history says so: its drafted rounds are
-    host round trips where plain ones run in compiled bursts (session 23: counted free, it lost 17% on chat)."""
+    host round trips where plain ones run in compiled bursts (counted free, it lost 17% on chat)."""
     target = peaky_target(3)
     ar = generate(target, PROMPTS[:1], max_new_tokens=17)
-    costs = AdaptiveWidth(costs=((1.0, 1.25, 1.6, 1.8), 0.001), explore_every=4)
+    costs = AdaptiveWidth(**given_costs(((1.0, 1.25, 1.6, 1.8), 0.001)), explore_every=4)
     lookup = speculative_generate(target, create_drafter("ngram", target, 4, max_ngram=2), PROMPTS[:1],
                                   max_new_tokens=17, scheduler=costs)
     suffix = speculative_generate(target, create_drafter("suffix", target, 4), PROMPTS[:1], max_new_tokens=17,
@@ -701,7 +674,7 @@ def test_adaptive_sampled_output_matches_target_distribution():
                                                          (self_spec, 4.0, 0.2, (1.0, 1.01, 100.0))):
         # throughput: with 3,000 rows in one batch, the makespan objective (the worst row) would verify only
         # exploring rounds; its decisions, too, depend only on the past (the history and tokens left)
-        sched = AdaptiveWidth(costs=(round_costs, draft_cost), explore_every=4, calibration_weight=calibration,
+        sched = AdaptiveWidth(**given_costs((round_costs, draft_cost)), explore_every=4, calibration_weight=calibration,
                               objective="throughput", free_draft_max_batch=3000)
         counts, impossible, m = sampled_joint(target, drafter, "rejection_chain", num_samples=3000, scheduler=sched)
         assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (drafter.name, m.width_rounds)
@@ -723,12 +696,13 @@ def test_round_costs_are_measured_in_the_loop_once_and_cached(tmp_path, monkeypa
     def fail(*a, **k):
         raise AssertionError("measured again although cached")
 
-    monkeypatch.setattr(engine, "measure_round_costs", fail)
+    monkeypatch.setattr(costs, "measure_round_costs", fail)
     speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=sched)
 
     # reprofile: measured again the first time this process asks, then the fresh entry is reused (a sitting)
-    measured, real = [], adaptive.measure_round_costs
-    monkeypatch.setattr(engine, "measure_round_costs", lambda *a, **k: measured.append(1) or real(*a, **k))
+    monkeypatch.undo()
+    measured, real = [], costs.measure_round_costs
+    monkeypatch.setattr(costs, "measure_round_costs", lambda *a, **k: measured.append(1) or real(*a, **k))
     again = AdaptiveWidth(cost_path=str(path), reprofile=True)
     for _ in range(2):
         out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=again)
@@ -738,7 +712,7 @@ def test_round_costs_are_measured_in_the_loop_once_and_cached(tmp_path, monkeypa
 
 def test_a_pure_jax_drafts_cost_is_timed_alone(tmp_path, monkeypatch):
     """A jittable drafter's draft cost is `draft_seconds` (its propose alone in a compiled loop), not the difference
-    of two loop timings, whose noise made prompt lookup's ~1 us draft look like 14% of a round (session 23)."""
+    of two loop timings, whose noise made prompt lookup's ~1 us draft look like 14% of a round."""
     target = peaky_target(4)
     drafter = create_drafter("ngram", target, 4, max_ngram=2)
     seen, real = [], engine.draft_seconds
@@ -756,135 +730,33 @@ def test_a_pure_jax_drafts_cost_is_timed_alone(tmp_path, monkeypatch):
     assert len(seen) == 1 and seen[0] > 0  # the real timing ran on the loop's own state
 
 
-def test_a_warmed_up_run_rescales_cached_costs_to_the_speed_now(tmp_path):
-    """Cached costs from a (much) slower machine state are scaled by one fresh pass of plain rounds before a
-    warmed-up run: its prediction follows the machine now, not the cache (the ratios decide the same widths)."""
-    target = peaky_target(4)
-    drafter = create_drafter("ngram", target, 4, max_ngram=2)
-    path = tmp_path / "costs.json"
-    sched = AdaptiveWidth(cost_path=str(path))
-    speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=sched)  # measures and caches
-    table = json.loads(path.read_text())
-    (key,) = table
-    table[key]["round_cost"] = [100.0 * c / table[key]["round_cost"][0] for c in table[key]["round_cost"]]
-    path.write_text(json.dumps(table))
-    cold = speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=sched)
-    warm = speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=sched, warmup=True)
-    assert cold.metrics.predicted_seconds > 50.0 * sum(cold.metrics.width_rounds)  # the cache as it is (~100 s)
-    assert warm.metrics.predicted_seconds < sum(warm.metrics.width_rounds)  # rescaled: well under 1 s a round
-    assert warm.tokens == cold.tokens
-    assert json.loads(path.read_text()) == table  # the cache itself is not rewritten
-
-
 def test_adaptive_config_and_bad_inputs():
-    s = make_scheduler(SchedulerConfig(kind="adaptive", decay=0.8, prior=0.9, free_draft=0.0, prior_depth=0.7))
-    assert isinstance(s, AdaptiveWidth) and s.decay == 0.8 and s.prior == 0.9 and s.free_draft == 0.0
-    assert s.prior_depth == 0.7
-    with pytest.raises(ValueError, match="prior_depth"):
-        SchedulerConfig(kind="adaptive", prior_depth=0.0)
+    """The `scheduler:` section parses straight into AdaptiveWidth: every field is a key, each checked once, and a
+    bad value is an error that names its full key."""
+    cfg = load_config({"scheduler": {"kind": "adaptive", "decay": 0.8, "prior": 0.9, "free_draft": 0.0,
+                                     "prior_depth": 0.7, "prior_weight": 2.0, "free_draft_max_batch": 8}})
+    s = cfg.scheduler
+    assert isinstance(s, AdaptiveWidth) and (s.decay, s.prior, s.free_draft, s.prior_depth) == (0.8, 0.9, 0.0, 0.7)
+    assert s.prior_weight == 2.0 and s.free_draft_max_batch == 8
+    assert apply_overrides(cfg, ["scheduler.score_bins=[0.5]"]).scheduler.score_bins == (0.5,)
+    for override, key in [("scheduler.prior_depth=0.0", "scheduler.prior_depth"),
+                          ("scheduler.free_draft=-0.1", "scheduler.free_draft"),
+                          ("scheduler.decay=1.0", "scheduler.decay"),
+                          ("scheduler.objective=fastest", "scheduler.objective"),
+                          ("scheduler.score_bins=[0.7, 0.2]", "scheduler.score_bins"),
+                          ("scheduler.threshold=0.5", "scheduler.threshold")]:  # a key of another kind
+        with pytest.raises(ConfigError) as err:
+            apply_overrides(cfg, [override])
+        assert err.value.key == key, (override, err.value)
     with pytest.raises(ValueError, match="prior_depth"):
         AdaptiveWidth(prior_depth=1.5)
-    assert make_scheduler(SchedulerConfig(kind="adaptive", free_draft_max_batch=8)).free_draft_max_batch == 8
-    with pytest.raises(ValueError, match="free_draft"):
-        SchedulerConfig(kind="adaptive", free_draft=-0.1)
-    with pytest.raises(ValueError, match="decay"):
-        SchedulerConfig(kind="adaptive", decay=1.0)
     with pytest.raises(ValueError, match="prior"):
         AdaptiveWidth(prior=0.0)
-    with pytest.raises(ValueError, match="seconds per round"):
-        AdaptiveWidth(costs=((1.0, -1.0), 0.0))
+    with pytest.raises(ValueError, match="round_costs"):
+        AdaptiveWidth(**given_costs(((1.0, -1.0), 0.0)))
     target = peaky_target(0)
     with pytest.raises(ValueError, match=r"3 round costs.*\[0, 1, 3, 4\]"):
         speculative_generate(target, create_drafter("ngram", target, 4), PROMPTS, max_new_tokens=5,
-                             scheduler=AdaptiveWidth(costs=((1.0, 1.0, 1.0), 0.0)))
-    assert adaptive.cost_key(target, create_drafter("ngram", target, 4), "greedy_chain", SAMPLING, 2, 300,
-                             (0, 1)).count("|") >= 8
-
-
-def test_replay_prices_the_chosen_rounds_deterministically():
-    """`benchmarks/replay_adaptive.replay`: with given costs a replay is a pure function of the prompts (same
-    figures twice), every output is AR's, and its predicted seconds are the chosen rounds priced by the costs.
-    Verify widths that never pay leave only plain rounds, priced exactly as AR's steps (speedup 1); cheap ones
-    make the drafts pay on the repetitive prompts."""
-    from benchmarks.common import DrafterSpec, groups_of
-    from benchmarks.replay_adaptive import cost_label, replay
-
-    target = peaky_target(1)  # its greedy output repeats a token (31 x 7 in one row): drafts get accepted
-    spec = DrafterSpec.parse("ngram:k=4,max_ngram=2,scheduler=adaptive,explore_every=4")
-    drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
-    groups = groups_of(PROMPTS, 1)  # batch 1: a row's accepted drafts shorten its own group
-    ar = [generate(target, g, max_new_tokens=17).tokens for g in groups]
-
-    def run(round_costs):
-        costs = {cost_label(spec, g, 17): (round_costs, 1e-6) for g in groups}
-        return replay(target, drafter, spec, groups, ar, 17, costs)
-
-    never = run((1.0, 1e3, 1e3, 1e3))  # an exploring round would cost 999 plain ones: the budget forbids it
-    assert never["lossless"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
-    assert sum(never["width_rounds"][1:]) == 0 and never["accepted"] == 0
-    assert never["predicted_speedup"] == pytest.approx(1.0, rel=1e-6)
-    assert never["ar_predicted_seconds"] == pytest.approx(sum(max(map(len, a)) - 1 for a in ar))
-
-    cheap = run((1.0, 1.01, 1.02, 1.03))
-    assert cheap == run((1.0, 1.01, 1.02, 1.03))  # deterministic
-    assert cheap["lossless"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
-    assert len(cheap["width_rounds"]) == 4  # widths 0 / 1 / 3 / 4: the auto buckets of a 4-token chain
-    priced = sum(n * c for n, c in zip(cheap["width_rounds"], (1.0, 1.01, 1.02, 1.03)))
-    assert cheap["predicted_seconds"] == pytest.approx(priced, abs=1e-4 * sum(cheap["width_rounds"]))
-    assert cheap["accepted"] > 0 and cheap["tau"] > 1 and cheap["predicted_speedup"] > 1, cheap
-
-
-def test_fit_round_costs_recovers_the_costs_the_runs_paid():
-    """`fit_round_costs` (the cost model's check in bench_speculative): from runs whose decode seconds follow
-    known costs per width and per unverified draft, in units of each run's own (rescaled) C(0), it recovers them;
-    a width no run chose is None; too few runs give None; mixed verify widths are a clear error."""
-    from benchmarks.bench_speculative import _fit_line
-    from specdec.metrics import DecodeMetrics
-
-    true_ratios, true_draft = [1.0, 1.5, 1.62, 1.9], 0.2
-    rng = np.random.default_rng(0)
-    runs = []
-    for _ in range(12):
-        c0 = 0.03 * (1 + 0.1 * rng.standard_normal())  # each run rescaled to the machine's speed then
-        counts = [int(rng.integers(5, 60)), 0, int(rng.integers(0, 30)), int(rng.integers(0, 30))]
-        unverified = int(rng.integers(0, min(5, counts[0]) + 1))
-        skipped = counts[0] - unverified
-        seconds = c0 * (float(np.dot(counts, true_ratios)) + unverified * true_draft)
-        runs.append(DecodeMetrics(new_tokens=64, rounds=sum(counts), accepted_draft_tokens=0, proposed_draft_tokens=0,
-                                  prefill_seconds=0.0, decode_seconds=seconds, verify_widths=[0, 1, 3, 7],
-                                  width_rounds=counts, skipped_drafts=skipped, predicted_seconds=seconds,
-                                  round_costs=[c0, 1.4 * c0, 1.5 * c0, 1.7 * c0], draft_cost=0.1 * c0))
-    fit = adaptive.fit_round_costs(runs)
-    assert fit["runs"] == 12 and fit["ratios"][0] == pytest.approx(1.0)
-    assert fit["ratios"][1] is None and fit["ratios_stderr"][1] is None
-    for got, want in zip([fit["ratios"][i] for i in (0, 2, 3)], [1.0, 1.62, 1.9]):
-        assert got == pytest.approx(want, rel=1e-6)
-    assert fit["draft"] == pytest.approx(true_draft, rel=1e-6)
-    assert fit["profile_ratios"] == pytest.approx([1.0, 1.4, 1.5, 1.7]) and fit["profile_draft"] == pytest.approx(0.1)
-    assert "1.62+-0.00" in _fit_line(fit) and "(profile 0.10)" in _fit_line(fit)
-
-    # a drafter that drafts every round: each width-0 round is an unverified draft, priced within C(0)
-    always = [dataclasses.replace(m, skipped_drafts=0, decode_seconds=m.round_costs[0] * (
-        float(np.dot(m.width_rounds, true_ratios)) + m.width_rounds[0] * true_draft)) for m in runs]
-    fit = adaptive.fit_round_costs(always)
-    assert fit["draft"] is None and fit["ratios"][0] == pytest.approx(1.0 + true_draft)
-    assert fit["ratios"][3] == pytest.approx(1.9, rel=1e-6)  # over the profile's C(0), not the fitted one
-
-    # runs of ~2 plain rounds each (GSM8K's): C(0) is barely determined, so every figure stays over the profile's
-    # C(0) (session 41: divided by a fitted C(0) near 0, a real fit printed negative ratios and errors)
-    rng = np.random.default_rng(1)
-    few = []
-    for _ in range(24):
-        counts = [int(rng.integers(1, 4)), 0, int(rng.integers(0, 8)), int(rng.integers(20, 30))]
-        seconds = 0.025 * float(np.dot(counts, true_ratios)) * (1 + 0.03 * rng.standard_normal())
-        few.append(dataclasses.replace(runs[0], width_rounds=counts, skipped_drafts=counts[0], decode_seconds=seconds,
-                                       round_costs=[0.025, 0.035, 0.0375, 0.0425]))
-    fit = adaptive.fit_round_costs(few)
-    assert fit["ratios_stderr"][0] > 0.2  # the plain round: hardly constrained by these runs
-    assert abs(fit["ratios"][3] - 1.9) < 4 * fit["ratios_stderr"][3] < 0.2  # the width they mostly ran: priced
-    assert all(e >= 0 for e in fit["ratios_stderr"] if e is not None)
-
-    assert adaptive.fit_round_costs(runs[:3]) is None  # 3 runs, 4 unknowns
-    other = dataclasses.replace(runs[0], verify_widths=[0, 2, 7], width_rounds=[3, 4, 5], round_costs=[1.0, 1.5, 2.0])
-    with pytest.raises(ValueError, match="different verify widths"):
-        adaptive.fit_round_costs(runs + [other])
+                             scheduler=AdaptiveWidth(**given_costs(((1.0, 1.0, 1.0), 0.0))))
+    assert costs.cost_key(target, create_drafter("ngram", target, 4), "greedy_chain", SAMPLING, 2, 300,
+                          (0, 1)).count("|") >= 8

@@ -28,7 +28,7 @@ def rich_config() -> ExperimentConfig:
         "drafter": {"name": "eagle", "num_draft_tokens": 8, "params": {"layers": 1, "nested": {"a": [1, 2]}},
                     "path": "ckpt/eagle"},
         "verify": {"policy": "multidraft_tree", "tree": {"paths": [[0], [1], [0, 0], [0, 1]]}, "eps": 0.2},
-        "scheduler": {"kind": "threshold", "threshold": 0.25, "profile_path": "p.json"},
+        "scheduler": {"kind": "adaptive", "prior_depth": 0.9, "score_bins": [0.5], "tree_value": "nodes"},
         "sampling": {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 5},
         "generation": {"max_new_tokens": 32, "batch_size": 8, "compiled_loop": False},
         "data": {"datasets": [{"name": "gsm8k", "split": "test", "field": "question", "limit": 10,

@@ -17,7 +17,7 @@ from specdec.drafter import PromptInfo, RoundContext
 from specdec.engine import speculative_generate
 from specdec.generate import generate, prefill
 from specdec.models.config import tiny_config
-from specdec.scheduling import Scheduler
+from specdec.scheduling import ThresholdSchedule
 from specdec.target import random_target
 from specdec.testing import assert_draft_matches_its_q, assert_lossless, distribution_target, sampled_joint
 from specdec.train.features import online_features
@@ -203,7 +203,7 @@ def test_sampled_output_is_target_distribution():
     np.testing.assert_array_equal(buffers["d2t"], [0, 2, 4, 6, 7])
     drafter = dflash.DFlashDrafter.from_trained(task.arch, noisy(params, 2, 0.3), buffers, small, 3)
     counts, impossible, m = sampled_joint(small, drafter, "multidraft_tree",
-                                          scheduler=Scheduler("threshold", threshold=0.2))
+                                          scheduler=ThresholdSchedule(threshold=0.2))
     assert 0 < m.proposed_draft_tokens < 3 * m.rounds
     assert_lossless(counts, impossible, m)
 

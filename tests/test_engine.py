@@ -304,7 +304,7 @@ def test_metrics_golden_position_by_position():
              (4, 4 -> 4, but 3 tokens are left: commits 3, counted 2 + 1)
     Per position j: proposed = rounds with a node at j; accepted = rounds that committed draft j; eligible =
     rounds where j was proposed and j-1 accepted with j's verdict committed (not in a cut's shadow)."""
-    from specdec.scheduling import Scheduler
+    from specdec.scheduling import ThresholdSchedule
 
     free = generate(peaky_target(5, eos_token_ids=()), PROMPTS[:2], max_new_tokens=20).tokens
     eos = free[0][12]
@@ -314,7 +314,7 @@ def test_metrics_golden_position_by_position():
     script = [[(4, 1, ones), (2, 4, ones), (4, 4, cut3), (4, 4, ones)],
               [(0, 0, ones), (4, 0, ones), (4, 4, ones), (4, 2, ones), (4, 4, ones)]]
     out = speculative_generate(target, ScriptedDrafter(free, script), PROMPTS[:2], max_new_tokens=14,
-                               scheduler=Scheduler("threshold", threshold=0.5))
+                               scheduler=ThresholdSchedule(threshold=0.5))
     assert out.tokens == generate(target, PROMPTS[:2], max_new_tokens=14).tokens
     assert out.tokens == [free[0][:13], free[1][:14]]
     assert out.accept_lengths == [[2, 3, 4, 3], [1, 1, 5, 3, 3]]

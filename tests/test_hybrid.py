@@ -22,6 +22,7 @@ from specdec.generate import generate
 from specdec.sampling import SamplingParams
 from specdec.testing import (PROMPTS, assert_biased, assert_lossless, distribution_target, peaky_target,
                              prefill_for_drafter, sampled_joint)
+from tests.test_adaptive import given_costs
 from tests.test_dspark import as_tree, sampled_tree_drafters
 from tests.test_scheduling import random_dspark
 
@@ -130,10 +131,10 @@ def test_greedy_output_equals_ar_at_fixed_and_adaptive_width(model):
     fixed = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=40)
     assert fixed.tokens == ar and fixed.metrics.accepted_draft_tokens > 0
     adaptive = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=40,
-                                    verify_buckets="auto", scheduler=AdaptiveWidth(costs=(costs, 0.05)))
+                                    verify_buckets="auto", scheduler=AdaptiveWidth(**given_costs((costs, 0.05))))
     assert adaptive.tokens == ar
     if drafter.kind == "tree":  # valued per node, by the model's node scores where it drafted
-        scored = AdaptiveWidth(costs=(costs, 0.05), tree_value="nodes", score_bins=(0.3, 0.7))
+        scored = AdaptiveWidth(**given_costs((costs, 0.05)), tree_value="nodes", score_bins=(0.3, 0.7))
         out = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=40,
                                    verify_buckets="auto", scheduler=scored)
         assert out.tokens == ar

@@ -5,6 +5,7 @@ following the target distribution with DSpark drafts under every scheduler, and 
 import functools
 import itertools
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -13,30 +14,42 @@ import pytest
 
 from drafters import create_drafter, dspark
 from drafters.draft_lm import DraftLMDrafter, _prefix_layers
-from specdec import scheduling
-from specdec.config import SchedulerConfig
+from specdec import costs
+from specdec.config import load_config
 from specdec.drafter import Draft
 from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.sampling import SamplingParams
-from specdec.scheduling import Scheduler, prefix_lengths
+from specdec.scheduler import FixedWidth
+from specdec.scheduling import PrefixSchedule, ThresholdSchedule, admitted_lengths, prefix_theta, sps
 from specdec.testing import NUM_SAMPLES, PROMPT, assert_biased, assert_lossless, distribution_target, sampled_joint
 from specdec.verify import get_policy
 
 LINEAR = ((1, 1.0), (64, 1.0 / 1.63))  # step time 1 + 0.01 (n - 1): SPS falls slowly with the token batch
 
 
+def confidence_state(confidence, sched=()):
+    """A loop state and spec, as the schedulers read them, whose drafter's confidence is `confidence` [B, N]
+    (`sched`: the scheduler's state)."""
+    drafter = types.SimpleNamespace(draft_confidence=lambda dstate: dstate)
+    spec = types.SimpleNamespace(drafter=drafter, verify_widths=())
+    return types.SimpleNamespace(spec=spec, drafter_state=jnp.asarray(confidence), sched=sched,
+                                 done=jnp.zeros(confidence.shape[0], bool))
+
+
 def test_fixed_and_threshold_lengths():
     conf = jnp.asarray([[0.9, 0.8, 0.5, 0.2], [0.4, 0.3, 0.1, 0.0], [1.0, 1.0, 1.0, 1.0]])
     active = jnp.ones(3, bool)
-    assert Scheduler("fixed").lengths(conf, active).tolist() == [4, 4, 4]
-    assert Scheduler("threshold", threshold=0.5).lengths(conf, active).tolist() == [3, 0, 4]
-    d = Scheduler("threshold", threshold=0.5).apply(Draft.chain(jnp.ones((3, 4), jnp.int32)), conf, active)
+    draft = Draft.chain(jnp.ones((3, 4), jnp.int32))
+    state = confidence_state(conf)
+    assert FixedWidth().refine(None, state, draft, 0, True)[0] is draft
+    assert ThresholdSchedule(threshold=0.5).lengths(conf, active).tolist() == [3, 0, 4]
+    d, _ = ThresholdSchedule(threshold=0.5).refine(state.spec, state, draft, 0, True)
     assert d.valid.tolist() == [[True, True, True, False], [False] * 4, [True] * 4]
-    with pytest.raises(ValueError, match="kind must be one of"):
-        Scheduler("longest")
+    with pytest.raises(ValueError, match="threshold"):
+        ThresholdSchedule(threshold=1.5)
     with pytest.raises(ValueError, match="profile"):
-        Scheduler("prefix")
+        PrefixSchedule(profile=((4, 1.0), (2, 1.0)))
 
 
 def test_prefix_scheduler_golden():
@@ -44,18 +57,18 @@ def test_prefix_scheduler_golden():
     admit (0,0) a=.9: 2.9 / 1.25 = 2.32; (1,0) a=.8: 3.7 / 1.5 = 2.47; (0,1) a=.6: 4.3 / 1.75 = 2.457 < 2.47 ->
     STOP (the later (0,2) a=.55 would give 4.85 / 2 = 2.425, and nothing is looked at after the stop)."""
     profile = tuple((n, 1.0 / (1 + 0.25 * (n - 2))) for n in range(2, 12))
-    s = Scheduler("prefix", profile=profile)
+    s = PrefixSchedule(profile=profile)
     conf = jnp.asarray([[0.9, 0.6, 0.55], [0.8, 0.1, 0.05]])
     assert s.lengths(conf, jnp.ones(2, bool)).tolist() == [1, 1]
     # cheap verification (flat SPS): everything is admitted; a done row is never admitted and not counted
-    flat = Scheduler("prefix", profile=((1, 1.0), (100, 1.0)))
+    flat = PrefixSchedule(profile=((1, 1.0), (100, 1.0)))
     assert flat.lengths(conf, jnp.ones(2, bool)).tolist() == [3, 3]
     assert flat.lengths(conf, jnp.asarray([True, False])).tolist() == [3, 0]
     # the lengths always cover a prefix of each row, in confidence order
     key = jax.random.PRNGKey(0)
     for i in range(5):
         c = jnp.cumprod(jax.random.uniform(jax.random.fold_in(key, i), (6, 5)), axis=1)
-        lengths = np.asarray(Scheduler("prefix", profile=LINEAR).lengths(c, jnp.ones(6, bool)))
+        lengths = np.asarray(PrefixSchedule(profile=LINEAR).lengths(c, jnp.ones(6, bool)))
         admitted = np.arange(5)[None] < lengths[:, None]
         cnp = np.asarray(c)
         if admitted.any() and (~admitted).any():
@@ -70,16 +83,25 @@ APPENDIX_SAMPLES = 200_000
 APPENDIX_PROFILE = ((1, 1.0), (2, 0.7), (3, 0.6))  # SPS(1), SPS(2), SPS(3)
 
 
+def biased_lengths(confidence, active, profile):
+    """The prefix scheduler WITHOUT its early stop (the admission count with the best Theta overall, looking past
+    non-improvements): the rule appendix A shows is biased, built here from the library's own Theta."""
+    theta, order = prefix_theta(confidence, active, lambda n: sps(profile, n))
+    return admitted_lengths(order, jnp.argmax(theta), confidence.shape)
+
+
 @functools.partial(jax.jit, static_argnames=("early_stop",))
 def _appendix_run(key, c1_values, *, early_stop: bool):
-    s = Scheduler("prefix", profile=APPENDIX_PROFILE, early_stop=early_stop)
+    s = PrefixSchedule(profile=APPENDIX_PROFILE)
+    profile = jnp.asarray(APPENDIX_PROFILE, jnp.float32)
+    length_of = s.lengths if early_stop else functools.partial(biased_lengths, profile=profile)
     k1, k2 = jax.random.split(key)
     u = jax.random.uniform(k1, (APPENDIX_SAMPLES, 3))
     x = (u[:, :2] >= 0.5).astype(jnp.int32)  # x1, x2 ~ q
     c1 = c1_values[jnp.minimum((u[:, 2] * 2).astype(jnp.int32), 1)]
     c2 = jnp.where(x[:, 0] == 0, 1.0, 0.0)
     conf = jnp.stack([c1, c1 * c2], axis=1)  # prefix survival
-    lengths = jax.vmap(lambda c: prefix_lengths(c[None], jnp.ones(1, bool), s.sps, early_stop)[0])(conf)
+    lengths = jax.vmap(lambda c: length_of(c[None], jnp.ones(1, bool))[0])(conf)
     q = jnp.full((APPENDIX_SAMPLES, 2, 2), 0.5)
     draft = Draft.chain(x, probs=q, valid=jnp.arange(2)[None] < lengths[:, None])
     logits = jnp.log(jnp.broadcast_to(jnp.asarray([[0.7, 0.3], [0.5, 0.5], [0.5, 0.5]]), (APPENDIX_SAMPLES, 3, 2)))
@@ -129,10 +151,10 @@ def random_dspark(target, k=3, seed=0):
 
 
 SCHEDULERS = {
-    "fixed": Scheduler("fixed"),
-    "threshold": Scheduler("threshold", threshold=0.4),
+    "fixed": FixedWidth(),
+    "threshold": ThresholdSchedule(threshold=0.4),
     # token batches of NUM_SAMPLES rows x 1..4 tokens; verification gets slower past one token per row
-    "prefix": Scheduler("prefix", profile=((1, 1.0), (NUM_SAMPLES, 1.0), (4 * NUM_SAMPLES, 0.4))),
+    "prefix": PrefixSchedule(profile=((1, 1.0), (NUM_SAMPLES, 1.0), (4 * NUM_SAMPLES, 0.4))),
 }
 
 
@@ -184,13 +206,15 @@ def test_scheduler_makes_the_confidence_non_increasing():
     """A confidence that rises along j is read as its cumulative minimum: the prefix scheduler admits positions
     in confidence order, which is a prefix of the draft only for non-increasing values. Here the raw values
     would admit row 0's positions 1 and 2 (0.9) before its position 0 (0.2) and count them as a length of 2."""
-    s = Scheduler("prefix", profile=((1, 1.0), (2, 1.0), (4, 0.5)))
+    s = PrefixSchedule(profile=((1, 1.0), (2, 1.0), (4, 0.5)))
     rising = jnp.asarray([[0.2, 0.9, 0.9]])
     draft = Draft.chain(jnp.ones((1, 3), jnp.int32))
     active = jnp.ones(1, bool)
     assert s.lengths(rising, active).tolist() != s.lengths(jax.lax.cummin(rising, axis=1), active).tolist()
-    assert s.apply(draft, rising, active).valid.tolist() == \
-        s.apply(draft, jax.lax.cummin(rising, axis=1), active).valid.tolist()
+    profile = s.init_state(1, 3, 1, s.profile)
+    state, floor = confidence_state(rising, profile), confidence_state(jax.lax.cummin(rising, axis=1), profile)
+    assert s.refine(state.spec, state, draft, 0, True)[0].valid.tolist() == \
+        s.refine(floor.spec, floor, draft, 0, True)[0].valid.tolist()
 
 
 def test_padded_cost_model_counts_the_bucket_of_the_longest_row():
@@ -200,8 +224,8 @@ def test_padded_cost_model_counts_the_bucket_of_the_longest_row():
     step = ((1, 1.0), (4, 1.0), (8, 0.5))  # step time 1 up to 4 tokens, 2 at 8
     conf = jnp.asarray([[0.9, 0.6, 0.5], [0.3, 0.2, 0.1]])
     active = jnp.ones(2, bool)
-    assert Scheduler("prefix", profile=step, verify_widths=(0, 1, 3)).lengths(conf, active).tolist() == [1, 0]
-    assert Scheduler("prefix", profile=step).lengths(conf, active).tolist() == [2, 0]
+    assert PrefixSchedule(profile=step).lengths(conf, active, verify_widths=(0, 1, 3)).tolist() == [1, 0]
+    assert PrefixSchedule(profile=step).lengths(conf, active).tolist() == [2, 0]
 
 
 @pytest.mark.parametrize("buckets", [None, "auto"])
@@ -210,7 +234,7 @@ def test_greedy_with_prefix_scheduler_equals_ar(buckets):
     drafter = random_dspark(target, k=3, seed=2)
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
     ar = generate(target, prompts, max_new_tokens=12)
-    out = speculative_generate(target, drafter, prompts, max_new_tokens=12, scheduler=Scheduler("prefix", profile=LINEAR),
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=12, scheduler=PrefixSchedule(profile=LINEAR),
                                verify_buckets=buckets)
     assert out.tokens == ar.tokens
 
@@ -218,7 +242,7 @@ def test_greedy_with_prefix_scheduler_equals_ar(buckets):
 def test_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     target = distribution_target()
     path = tmp_path / "sps.json"
-    profile = scheduling.load_or_measure_profile(target, 4, path, log=lambda m: None)
+    profile = costs.load_or_measure_profile(target, 4, path, log=lambda m: None)
     assert [n for n, _ in profile] == [1, 2, 4] and all(s > 0 for _, s in profile)
     assert all(a[1] >= b[1] for a, b in itertools.pairwise(profile))  # bigger batches are never faster
     assert len(json.loads(path.read_text())) == 1
@@ -226,12 +250,15 @@ def test_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     def fail(*a, **k):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(scheduling, "measure_sps", fail)
-    assert scheduling.load_or_measure_profile(target, 4, path) == profile
-    s = scheduling.make_scheduler(SchedulerConfig(kind="prefix", profile_path=str(path)), target, 4)
-    assert s.kind == "prefix" and s.profile == profile
-    assert scheduling.make_scheduler(SchedulerConfig(kind="fixed")) is None
-    assert scheduling.make_scheduler(SchedulerConfig(kind="threshold", threshold=0.3)).threshold == 0.3
+    monkeypatch.setattr(costs, "measure_sps", fail)
+    assert costs.load_or_measure_profile(target, 4, path) == profile
+    # the engine's first run of a prefix scheduler asks for the profile of its largest token batch: cached
+    s = load_config({"scheduler": {"kind": "prefix", "profile_path": str(path)}}).scheduler
+    assert isinstance(s, PrefixSchedule) and s.profile == ()
+    probe = types.SimpleNamespace(batch=1, drafter=types.SimpleNamespace(num_draft_tokens=3), target=target)
+    assert s.prepare(probe) == profile
+    assert load_config({"scheduler": {"kind": "fixed"}}).scheduler == FixedWidth()
+    assert load_config({"scheduler": {"kind": "threshold", "threshold": 0.3}}).scheduler.threshold == 0.3
 
 
 def test_scheduler_needs_a_confidence_drafter():

@@ -12,6 +12,7 @@ from specdec.adaptive import AdaptiveWidth
 from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.prompts import builtin
+from tests.test_adaptive import given_costs
 
 # costs for the widths (0, 1, 3, 7) of a 7-token draft with auto buckets under which a history of accepted
 # drafts verifies and one of rejected drafts skips: given, so the test measures nothing
@@ -34,6 +35,6 @@ def test_shipped_drafter_greedy_equals_ar(real_target):
     assert fixed.tokens == ar
     assert fixed.metrics.accepted_draft_tokens > 0  # it drafts tokens the target accepts
     adaptive = speculative_generate(real_target, drafter, prompts, max_new_tokens=24, verify_buckets="auto",
-                                    scheduler=AdaptiveWidth(costs=COSTS))
+                                    scheduler=AdaptiveWidth(**given_costs(COSTS)))
     assert adaptive.tokens == ar
     assert adaptive.metrics.width_rounds[0] > 0 and sum(adaptive.metrics.width_rounds[1:]) > 0

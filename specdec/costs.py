@@ -1,0 +1,282 @@
+"""What the schedulers measure on this machine, and the cache that keeps it (one module for both).
+
+- Round costs (the adaptive width, specdec/adaptive.py): seconds per loop iteration at each verify width and what
+  a draft adds, measured by running the real compiled loop with the width forced (`ForcedWidths`, driven by
+  `specdec.engine.LoopProbe`), cached per machine / model / backend / drafter / batch / capacity / code version.
+- SPS profiles (the prefix scheduler, specdec/scheduling.py): target verify steps per second at each token batch
+  size, cached per model / backend / device / size range.
+
+Both caches are JSON tables in the specdec cache dir ($SPECDEC_CACHE, default ~/.cache/specdec), written
+atomically; a corrupt file is an error that names the config key of its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from typing import ClassVar
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec.drafter import Drafter
+from specdec.scheduler import Scheduler
+
+COST_FILE = "round_costs.json"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec"))
+
+
+def cached_measurement(file: Path, key: str, measure, option: str, remeasure: bool = False):
+    """`measure()`'s result stored under `key` in the JSON table `file` (measured when absent or `remeasure`,
+    written atomically); `option` names the config key of the path in the error for a corrupt file."""
+    table = {}
+    if file.is_file():
+        try:
+            table = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{option}: {file} is not valid JSON ({e})") from None
+    if remeasure or key not in table:
+        table[key] = measure()
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".partial")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, file)
+    return table[key]
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SPS profiles (the prefix scheduler)
+# ---------------------------------------------------------------------------------------------------------
+
+def profile_sizes(max_tokens: int) -> list[int]:
+    sizes = {1, max_tokens}
+    n = 2
+    while n < max_tokens:
+        sizes.add(n)
+        n *= 2
+    return sorted(sizes)
+
+
+def measure_sps(target, sizes: Sequence[int], context: int = 128, repeats: int = 5) -> list[tuple[int, float]]:
+    """Verify steps per second of `target` at each token batch size: one forward of n new tokens (one row,
+    chain mask) after `context` cached positions, the fastest of `repeats` timed runs after a compile run.
+    A bigger batch never takes less time than a smaller one: timing noise is removed by making the step time
+    non-decreasing in n (SPS non-increasing)."""
+    out = []
+    for n in sizes:
+        cache = target.init_cache(1, context + n)
+        cache = cache.with_lengths(jnp.full((1,), context, jnp.int32))
+        tokens = jnp.zeros((1, n), jnp.int32)
+        step = jax.jit(lambda p, c, t: target.forward(p, target.cfg, c, t).logits)
+        jax.block_until_ready(step(target.params, cache, tokens))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(target.params, cache, tokens))
+            times.append(time.perf_counter() - t0)
+        out.append(float(np.min(times)))
+    step_time = np.maximum.accumulate(np.asarray(out))
+    return [(int(n), 1.0 / float(t)) for n, t in zip(sizes, step_time)]
+
+
+def _profile_key(target, max_tokens: int) -> str:
+    dev = jax.devices()[0]
+    backend = getattr(getattr(target, "backend", None), "name", "?")
+    return f"{target.cfg.name}|{backend}|{dev.platform}:{dev.device_kind}|{max_tokens}"
+
+
+def default_profile_path() -> Path:
+    return cache_root() / "sps_profiles.json"
+
+
+def load_or_measure_profile(target, max_tokens: int, path: str | os.PathLike | None = None,
+                            log=print) -> tuple[tuple[int, float], ...]:
+    """The SPS profile of `target` on this backend for token batches up to `max_tokens`, measured once and
+    cached in a JSON file (keyed by model, backend, device and size range)."""
+    file = Path(path) if path else default_profile_path()
+
+    def measure():
+        log(f"profiling target verify throughput SPS(n) for n <= {max_tokens} (cached in {file})")
+        return measure_sps(target, profile_sizes(max_tokens))
+
+    profile = cached_measurement(file, _profile_key(target, max_tokens), measure, "scheduler.profile_path")
+    return tuple((int(n), float(s)) for n, s in profile)
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Round costs (the adaptive width)
+# ---------------------------------------------------------------------------------------------------------
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    dev = jax.devices()[0]
+    return f"{dev.platform}:{dev.device_kind}|{cpu}|{os.cpu_count()}cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _code_version(*modules: str) -> str:
+    """A digest of the source files that decide what a round costs (the step, the loop, the drafter): costs
+    profiled by other code (an older specdec, a changed step layout) are measured again, not reused."""
+    digest = hashlib.sha256()
+    for name in modules:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _drafter_modules(drafter) -> tuple[str, ...]:
+    """The modules whose code decides what `drafter` costs a round: its class's and its base classes' (DSpark's
+    forward is DFlash's), and those of the drafters it wraps (the hybrid's model and lookup)."""
+    parts = [drafter] + [v for v in vars(drafter).values() if isinstance(v, Drafter)]
+    names = {cls.__module__ for part in parts for cls in type(part).__mro__}
+    return tuple(sorted(n for n in names if n != "builtins"))
+
+
+def cost_key(target, drafter, policy: str, sampling, batch: int, capacity: int, widths) -> str:
+    backend = getattr(getattr(target, "backend", None), "name", "?")
+    draft = json.dumps(drafter.describe(), sort_keys=True, default=str)
+    mode = "greedy" if sampling.greedy else "sampled"
+    code = _code_version("specdec.models.transformer", "specdec.engine", "specdec.adaptive", __name__,
+                         *_drafter_modules(drafter))
+    return (f"{_machine()}|{target.cfg.name}|{backend}|{draft}|{policy}|{mode}|B={batch}|"
+            f"S={-(-capacity // 256) * 256}|W={list(widths)}|code={code}")
+
+
+def default_cost_path() -> Path:
+    return cache_root() / COST_FILE
+
+
+def measure_round_costs(run_forced, num_widths: int, repeats: int = 3, time_draft=None):
+    """(round_cost [K], draft_cost): seconds per loop iteration with the width forced to each bucket (k = 0:
+    the draft skipped), and what drafting adds to a round: `time_draft()` where the draft can be timed alone
+    (pure-JAX drafters: `engine.draft_seconds`), else measured as a round that drafts and verifies nothing minus
+    a plain one. `run_forced(plan, refine)` runs the real compiled loop with the plan / refine decisions forced
+    to those bucket indices and returns seconds per iteration.
+
+    The passes are interleaved (every width once, `repeats` times over) and the median of each width counts:
+    the cost model predicts a run's typical time, and on a shared machine the fastest of a few passes is the
+    luckiest one (taking it made every prediction 10-15% optimistic), while a slow spell during one width's
+    passes would skew that width against the others if they were not interleaved."""
+    forced = [(k, k) for k in range(num_widths)]
+    if time_draft is None:
+        forced.append((num_widths - 1, 0))  # draft, verify nothing
+    passes = [[run_forced(plan, refine) for plan, refine in forced] for _ in range(repeats)]
+    median = [float(np.median(column)) for column in zip(*passes)]
+    round_cost = median[:num_widths]
+    if time_draft is not None:
+        return round_cost, time_draft()
+    return round_cost, max(median[num_widths] - round_cost[0], 0.0)
+
+
+_REPROFILED: set[tuple[str, str]] = set()  # (cache file, key) measured again in this process (`reprofile`)
+
+
+def load_or_measure_round_costs(key: str, measure, path=None, reprofile: bool = False):
+    """(round_cost, draft_cost) for `key`, from the JSON cache or measured by `measure()` (then cached).
+    `reprofile`: measured again the first time this process asks for `key`, then taken from the cache, so every
+    run of a benchmark sitting uses the same fresh profile."""
+    file = Path(path) if path else default_cost_path()
+    again = reprofile and (str(file), key) not in _REPROFILED
+
+    def timed():
+        t0 = time.perf_counter()
+        round_cost, draft_cost = measure()
+        return {"round_cost": round_cost, "draft_cost": draft_cost, "measured_seconds": time.perf_counter() - t0}
+
+    entry = cached_measurement(file, key, timed, "scheduler.cost_path", again)
+    if again:
+        _REPROFILED.add((str(file), key))
+    return tuple(entry["round_cost"]), float(entry["draft_cost"])
+
+
+def round_costs(probe, placeholder, cost_path=None, reprofile: bool = False):
+    """(round_cost per verify width, draft_cost) of the loop `probe` describes (`specdec.engine.LoopProbe`),
+    cached per machine, model, drafter, batch and capacity; measured on first use (or once per process with
+    `reprofile`) by running that very loop with each width forced, on random prompts of the same shapes. A
+    pure-JAX draft is timed alone (`probe.draft_seconds`): the difference of two noisy loop timings is larger
+    than prompt lookup's whole draft, and once flipped its `free_draft` decision. `placeholder`: what the
+    scheduler's `init_state` takes for the forced runs (their decisions are overridden)."""
+    spec = probe.spec
+    key = cost_key(probe.target, probe.drafter, spec.policy.name, spec.sampling, probe.batch, probe.capacity,
+                   spec.verify_widths)
+    alone = probe.draft_seconds if probe.drafter.jittable else None
+    return load_or_measure_round_costs(
+        key, lambda: measure_round_costs(lambda plan, refine: probe.run_forced(plan, refine, placeholder),
+                                         len(spec.verify_widths), time_draft=alone),
+        cost_path, reprofile)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForcedState:
+    base: object  # the wrapped scheduler's state, updated as in a real run (its work stays in the timed loop)
+    plan: jax.Array  # int32 [] the verify width to draft for (index into the loop's verify widths)
+    refine: jax.Array  # int32 [] the verify width to run
+    width_rounds: jax.Array  # int32 [K] loop iterations run at each verify width
+
+
+@dataclasses.dataclass(frozen=True)
+class ForcedWidths(Scheduler):
+    """Measuring round costs only: `base` in the real loop with the width forced to `state.plan` / `state.refine`
+    (traced, so one compiled program times every width) and every draft node up to it verified, whatever the
+    drafter proposed (random prompts give prompt lookup no matches). `measure_round_costs`' `run_forced`."""
+
+    base: Scheduler
+    kind: ClassVar[str] = "forced"
+    may_skip: ClassVar[bool] = True
+
+    def verify_widths(self, num_draft_tokens: int, buckets) -> tuple[int, ...]:
+        return self.base.verify_widths(num_draft_tokens, buckets)
+
+    def init_state(self, batch: int, num_nodes: int, classes: int, measured) -> ForcedState:
+        base, plan, refine, num_widths = measured
+        return ForcedState(base=base, plan=jnp.asarray(plan, jnp.int32), refine=jnp.asarray(refine, jnp.int32),
+                           width_rounds=jnp.zeros((num_widths,), jnp.int32))
+
+    def _inner(self, state):
+        return dataclasses.replace(state, sched=state.sched.base)
+
+    def plan(self, spec, state):
+        return state.sched.plan
+
+    def refine(self, spec, state, draft, planned, drafted):
+        _, base = self.base.refine(spec, self._inner(state), draft, planned, drafted)
+        width = jnp.asarray(spec.verify_widths, jnp.int32)[state.sched.refine]
+        keep = (jnp.arange(draft.num_nodes)[None, :] < width) & drafted
+        keep = jnp.broadcast_to(keep, draft.valid.shape)
+        ran = jnp.where(drafted, state.sched.refine, 0)
+        sched = dataclasses.replace(state.sched, base=base, width_rounds=state.sched.width_rounds.at[ran].add(1))
+        return dataclasses.replace(draft, valid=keep), sched
+
+    def observe(self, spec, state, draft, depth, result, active):
+        base = self.base.observe(spec, self._inner(state), draft, depth, result, active)
+        return dataclasses.replace(state.sched, base=base)
+
+    def skipped(self, spec, state):
+        base = self.base.skipped(spec, self._inner(state))
+        return dataclasses.replace(state.sched, base=base, width_rounds=state.sched.width_rounds.at[0].add(1))
+
+    def metrics(self, spec, sched) -> dict:
+        return {"verify_widths": list(spec.verify_widths), "width_rounds": np.asarray(sched.width_rounds).tolist()}
