@@ -49,6 +49,7 @@ from drafters import register
 from specdec import trees
 from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
 from specdec.models import transformer
+from specdec.export.registry import register_architecture
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
@@ -755,6 +756,7 @@ class DFlashDrafter(Drafter):
         return out
 
 
+@register_architecture(NAME)  # what `specdec export` rebuilds the drafter with
 def arch_from_checkpoint(target, config: dict) -> BlockArch:
     return BlockArch.build(target.cfg, num_layers=config["num_layers"], taps=config.get("taps"),
                            block_size=config["block_size"], mask_token_id=config["mask_token_id"],

@@ -134,6 +134,7 @@ def cmd_generate(args) -> int:
 
 def cmd_export(args) -> int:
     """Write a trained drafter in the layout vLLM (speculators) or SGLang (SpecForge) loads (docs/EXPORT.md)."""
+    import drafters
     from experiments.build import build_target
     from specdec.config import load_config
     from specdec.export import export_run
@@ -150,6 +151,7 @@ def cmd_export(args) -> int:
         model = load_config({"model": {"name": args.model}}).model
     print(f"loading target {model.name} ...", flush=True)
     target = build_target(model)
+    drafters.available()  # drafter modules register their architectures for export on import
     out = export_run(run, args.out_dir, args.format, target, model_name=model.name,
                      num_draft_tokens=args.num_draft_tokens, overwrite=args.overwrite)
     print(f"exported {run} for {args.format} -> {out}")
