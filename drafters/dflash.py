@@ -191,7 +191,7 @@ def inference_layout(backbone: dict) -> dict:
     XLA:CPU), fc stored [out, in] too. From the training layout (stacked [in, out] layers), every drafted round
     sliced each layer's weights out of the stack (XLA copies them, or converts them from a shipped float16
     drafter: ~14 copies a round) and ran its 7-8-row products in the slow x @ W form; at batch 1 the draft
-    cost ~0.28 of a decode step (docs/BENCHMARKS.md session 37). `block_forward`, `context_kv` and
+    cost ~0.28 of a decode step (docs/BENCHMARKS.md). `block_forward`, `context_kv` and
     `fuse_context` read either layout."""
     out = {k: v for k, v in backbone.items() if k not in ("layers", "fc")}
     out["fc_t"] = backbone["fc"].T

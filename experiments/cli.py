@@ -72,7 +72,7 @@ def cmd_quickstart(args) -> int:
     shipped = _shipped_drafter_fits(target)
     if shipped:  # the trained drafter that ships with the repo, if it was trained on this target, drafting a
         # 7-node token tree from its block forward (engine tau 1.81 against its chain's 1.62, at batch 1 as fast
-        # or faster: docs/BENCHMARKS.md, session 31)
+        # or faster: docs/BENCHMARKS.md)
         tree = {"path": shipped, "tree_top_k": 4, "tree_depth": 3}
         specs.append(DrafterSpec("dspark", 7, tree, policy="greedy_tree", scheduler=adaptive, label="dspark(shipped)"))
         # ... and with prompt lookup where the context repeats itself (drafters/hybrid.py)
