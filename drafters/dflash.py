@@ -49,6 +49,7 @@ from drafters import register
 from specdec import trees
 from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
 from specdec.models import transformer
+from specdec.export.registry import register_architecture
 from specdec.models.config import ModelConfig
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
@@ -190,7 +191,7 @@ def inference_layout(backbone: dict) -> dict:
     XLA:CPU), fc stored [out, in] too. From the training layout (stacked [in, out] layers), every drafted round
     sliced each layer's weights out of the stack (XLA copies them, or converts them from a shipped float16
     drafter: ~14 copies a round) and ran its 7-8-row products in the slow x @ W form; at batch 1 the draft
-    cost ~0.28 of a decode step (docs/BENCHMARKS.md session 37). `block_forward`, `context_kv` and
+    cost ~0.28 of a decode step (docs/BENCHMARKS.md). `block_forward`, `context_kv` and
     `fuse_context` read either layout."""
     out = {k: v for k, v in backbone.items() if k not in ("layers", "fc")}
     out["fc_t"] = backbone["fc"].T
@@ -755,6 +756,7 @@ class DFlashDrafter(Drafter):
         return out
 
 
+@register_architecture(NAME)  # what `specdec export` rebuilds the drafter with
 def arch_from_checkpoint(target, config: dict) -> BlockArch:
     return BlockArch.build(target.cfg, num_layers=config["num_layers"], taps=config.get("taps"),
                            block_size=config["block_size"], mask_token_id=config["mask_token_id"],

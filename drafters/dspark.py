@@ -41,6 +41,7 @@ import numpy as np
 from drafters import dflash, register
 from drafters.dflash import BlockArch, DFlashDrafter, DFlashTask
 from specdec.drafter import draft_probs_to_target, draft_to_target
+from specdec.export.registry import register_architecture
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
@@ -242,6 +243,10 @@ class DSparkDrafter(DFlashDrafter):
         _, (tokens, probs, conf) = jax.lax.scan(step, root, xs)
         probs = None if sampling.greedy else jnp.swapaxes(probs, 0, 1)
         return jnp.swapaxes(tokens, 0, 1), probs, jnp.cumprod(jnp.swapaxes(conf, 0, 1), axis=-1)
+
+
+# a DFlash BlockArch (its Markov rank from the config): what `specdec export` rebuilds the drafter with
+register_architecture(NAME)(dflash.arch_from_checkpoint)
 
 
 @register(NAME)

@@ -43,6 +43,7 @@ from specdec import trees
 from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
+from specdec.export.registry import register_architecture
 from specdec.sampling import probabilities, sample
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
@@ -461,6 +462,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
         return {**super().describe(), "tree_top_k": self.top_k, "tree_depth": self.depth}
 
 
+@register_architecture(NAME)  # what `specdec export` rebuilds the drafter with
 def arch_from_checkpoint(target, config: dict) -> Eagle3Arch:
     return Eagle3Arch.build(target.cfg, config.get("taps"), config.get("draft_vocab_size", 0),
                             config.get("intermediate_size"))

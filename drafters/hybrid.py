@@ -178,9 +178,9 @@ def make(target, num_draft_tokens: int, path: str = str(SHIPPED_DRAFTER), min_ma
          tree_sampling: str | None = None, lookup_nodes: int = 0, alone_match: int = 0):
     """`path`: a trained chain drafter's directory (the kind read from it; default: the shipped DSpark);
     `min_match`: the shortest lookup match (tokens) whose continuation is drafted instead of the model's (1, 2,
-    3 and 4 gave mean engine tau 1.85, 1.88, 1.88 and 1.81 with session 25's shipped DSpark on MT-Bench / GSM8K
-    / HumanEval; 2 was ahead on MT-Bench and GSM8K; docs/TRAINING.md, session 25; at 2, 1.94 with session 26's
-    and 1.98 with session 27's);
+    3 and 4 gave mean engine tau 1.85, 1.88, 1.88 and 1.81 with an earlier shipped DSpark on MT-Bench / GSM8K /
+    HumanEval, 2 ahead on MT-Bench and GSM8K; at 2, 1.94 and 1.98 with the next two retrained ones;
+    docs/TRAINING.md);
     `max_ngram`: the lookup's longest n-gram (as the ngram drafter's);
     `tree_top_k` / `tree_depth`: the trained drafter drafts a token tree of `num_draft_tokens` nodes (block
     drafters; the rows that copy still take the lookup's chain), verified by the tree policies; `tree_accept`:

@@ -72,7 +72,7 @@ def cmd_quickstart(args) -> int:
     shipped = _shipped_drafter_fits(target)
     if shipped:  # the trained drafter that ships with the repo, if it was trained on this target, drafting a
         # 7-node token tree from its block forward (engine tau 1.81 against its chain's 1.62, at batch 1 as fast
-        # or faster: docs/BENCHMARKS.md, session 31)
+        # or faster: docs/BENCHMARKS.md)
         tree = {"path": shipped, "tree_top_k": 4, "tree_depth": 3}
         specs.append(DrafterSpec("dspark", 7, tree, policy="greedy_tree", scheduler=adaptive, label="dspark(shipped)"))
         # ... and with prompt lookup where the context repeats itself (drafters/hybrid.py)
@@ -134,6 +134,7 @@ def cmd_generate(args) -> int:
 
 def cmd_export(args) -> int:
     """Write a trained drafter in the layout vLLM (speculators) or SGLang (SpecForge) loads (docs/EXPORT.md)."""
+    import drafters
     from experiments.build import build_target
     from specdec.config import load_config
     from specdec.export import export_run
@@ -150,6 +151,7 @@ def cmd_export(args) -> int:
         model = load_config({"model": {"name": args.model}}).model
     print(f"loading target {model.name} ...", flush=True)
     target = build_target(model)
+    drafters.available()  # drafter modules register their architectures for export on import
     out = export_run(run, args.out_dir, args.format, target, model_name=model.name,
                      num_draft_tokens=args.num_draft_tokens, overwrite=args.overwrite)
     print(f"exported {run} for {args.format} -> {out}")

@@ -6,7 +6,7 @@
 Why: a drafter is judged on HumanEval by the target's answers to "Complete the following Python function ...",
 and those answers open by copying the prompt's signature (and often its docstring). An instruction prompt
 ("Write a function that ...") never asks for that copy, so a drafter distilled on answers to instruction prompts
-never learns it, while prompt lookup gets it for free (docs/TRAINING.md, session 29). These prompts give the
+never learns it, while prompt lookup gets it for free (docs/TRAINING.md). These prompts give the
 target the evaluation's shape on problems that are not in it: each solution's function becomes a HumanEval-style
 stub (its module imports, its `def` line, a docstring from the task text with doctest examples where the tests
 give them), wrapped in the very instruction the evaluation uses (`experiments.datasets.HUMANEVAL_INSTRUCTION`).

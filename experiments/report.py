@@ -7,16 +7,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import TYPE_CHECKING
 
 from experiments import plots
+from experiments.context import RunContext
 from experiments.lossless import LosslessResult
 from experiments.provenance import load_average, provenance
 from experiments.store import AR, SPEC, RecordStore, jsonable
 from specdec.metrics import DecodeMetrics, speedup
-
-if TYPE_CHECKING:  # run.py imports this module
-    from experiments.run import RunContext
 
 SEED_NOTE = "batch i is decoded with seed sampling.seed + i (AR and speculative alike)"
 

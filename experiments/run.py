@@ -25,7 +25,7 @@ What a run does, in order:
        acceptance_by_position.png, by_category.png
      and logs the same to the tracker (W&B offline by default).
 
-This file is the orchestration: the phases above, which share one `RunContext`. The files and records are
+This file is the orchestration: the phases above, which share one `RunContext` (experiments/context.py). The files and records are
 experiments/store.py's (`RunPaths`, `RecordStore`); the summary, the table and the plots experiments/report.py's.
 
 Interrupted runs lose nothing: records are appended (and flushed) batch by batch, and a re-run with the same
@@ -46,6 +46,7 @@ import yaml
 from experiments import report
 from experiments.build import (build_drafter, build_scheduler, build_target, check_supported, codec_for, encode_prompt,
                                drafter_label, effective_policy)
+from experiments.context import RunContext
 from experiments.datasets import Prompt, fill_own_answers, load_all
 from experiments.lossless import LosslessError, LosslessResult, check_greedy, check_sampled, skipped
 from experiments.provenance import load_average
@@ -53,46 +54,12 @@ from experiments.quality import METRIC, score_all
 from experiments.store import AR, SPEC, RecordStore, RunPaths, finite_or_none, make_record
 from experiments.tracking import make_tracker
 from specdec.config import ExperimentConfig, to_dict, to_yaml
-from specdec.drafter import Drafter
 from specdec.metrics import DecodeMetrics
-from specdec.sampling import SamplingParams
-from specdec.target import Target
 from specdec.tracking import Tracker
-from specdec.verify import Policy
 
 
 class RunInterrupted(RuntimeError):
     """Raised by `max_batches` (tests) to stop a run the way a kill would, after a batch was recorded."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RunContext:
-    """One run as `run_experiment` set it up: the config and what was built from it, where it writes, and how it
-    reports. Built once, after loading, and read by every later phase and by experiments/report.py; what changes
-    during the run (the records) lives in the `RecordStore`s instead."""
-
-    cfg: ExperimentConfig
-    name: str  # output.name ("run" when unset)
-    paths: RunPaths
-    prompts: list[Prompt]
-    ids: dict[str, list[int]]  # prompt key -> its token ids (chat-templated when `chat`)
-    batches: list[list[Prompt]]  # plan_batches: batch i is decoded with seed sampling.seed + i
-    codec: object  # text <-> token ids (experiments/build.py: ByteCodec or TokenizerCodec)
-    chat: bool  # whether the prompts were chat-templated
-    target: Target
-    drafter: Drafter
-    label: str  # drafter_label: how tables name the drafter
-    policy: Policy
-    policy_note: str | None  # effective_policy's note when the configured policy was replaced
-    sampling: SamplingParams
-    compiled: bool | None  # speculative_generate's `compiled` (None: the drafter decides)
-    engine_opts: dict  # the engine's per-round choices of what to verify: scheduler and verify_buckets
-    tracker: Tracker
-    echo: Callable[[str], None]
-    progress: bool  # progress bars
-    max_batches: int | None  # tests: stop (RunInterrupted) after this many decoded batches
-    started: float  # time.time() at the start
-    load_start: list[float] | None  # load average at the start
 
 
 # ---------------------------------------------------------------------------------------------------------

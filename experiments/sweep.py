@@ -44,7 +44,7 @@ class SweepError(RuntimeError):
 def release_memory() -> None:
     """Between runs: drop the compiled programs of the run that ended (they keep its drafter alive) and hand
     the freed heap back to the OS. Without it a sweep process only grew (temperature-1 tree rows: 9.4 GB held
-    after the first, 12 GB after a second drafter; session 33's sweep reached 16 GB; with it 1.3 GB between
+    after the first, 12 GB after a second drafter, 16 GB in a longer sweep; with it 1.3 GB between
     rows): glibc keeps freed blocks below its mmap threshold in the heap, so a run's buffers stayed resident
     until `malloc_trim`, and the jit caches held each run's programs. Elsewhere than glibc the trim is skipped."""
     jax.clear_caches()

@@ -16,7 +16,7 @@ worker accumulates; the root cause is not known.
 
 The tests compile XLA:CPU programs at LLVM optimisation level 0 (`--xla_backend_optimization_level=0`, added to
 XLA_FLAGS unless it already names a level): compiling is half of the suite's time (`python -m pytest -p
-benchmarks.compile_time`: ~4,700 and ~4,900 programs on its two workers, 371 s and 438 s); level 0 compiles them
+tools.compile_time`: ~4,700 and ~4,900 programs on its two workers, 371 s and 438 s); level 0 compiles them
 ~25% faster and runs them a little slower (the training tests ~20%), saving 15-18% of the suite within a sitting
 on 2 cores (docs/BENCHMARKS.md "Session 35"). It passes at both
 levels, the quickstart's recorded greedy tokens and the transformers parity included. To test at the product's

@@ -1,7 +1,7 @@
-"""The lent-device path (experiments/device_train.py) without a device or a model: a pack split over calls that
+"""The lent-device path (tools/device_train.py) without a device or a model: a pack split over calls that
 each carry part of it, staged and assembled byte for byte, and the drafter brought back in <= 16 MiB files.
 The jobs themselves (data, train, snapshot) are the CLI's, tested elsewhere; `python -m
-experiments.device_train dry-run` runs the whole path with them on the CPU (docs/TRAINING.md)."""
+tools.device_train dry-run` runs the whole path with them on the CPU (docs/TRAINING.md)."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import device_train as DT
+from tools import device_train as DT
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny.yaml"
 

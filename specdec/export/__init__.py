@@ -12,7 +12,11 @@ for EAGLE-3 (specdec/export/eagle3.py) and DFlash / DSpark (specdec/export/block
 
 `load_export(path)` reads such a directory, or any such peer checkpoint in those layouts (sharded ones through
 model.safetensors.index.json), as `specdec.train.checkpoint.load_drafter` does a run directory, so
-`drafter.path=<export dir>` and `specdec generate --drafter <export dir>` work.
+`drafter.path=<export dir>` and `specdec generate --drafter <export dir>` work. It lives in
+specdec/train/checkpoint.py (re-exported here), which `export_run` reads runs with.
+
+The drafter architectures come from drafters/, which specdec/ does not import: the drafter modules register them
+(specdec/export/registry.py), so call `drafters.available()` before `export_run`.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import numpy as np
 
 from specdec.export import block as B
 from specdec.export import eagle3 as E
+from specdec.export import registry
 from specdec.export.eagle3 import FORMATS, NotRepresentable  # noqa: F401  (re-exported)
 from specdec.train import checkpoint as ckpt
+from specdec.train.checkpoint import export_kind, is_export, load_export, read_tensors  # noqa: F401  (re-exported)
 
-CONFIG_FILE = "config.json"
+CONFIG_FILE = ckpt.EXPORT_CONFIG
 WEIGHTS_FILE = "model.safetensors"
-META_FILE = "specdec_export.json"
+META_FILE = ckpt.EXPORT_META
 EXPORTABLE = ("eagle3", *B.KINDS)
 
 
@@ -72,17 +78,12 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str,
     model_name = model_name or (run_cfg.get("model") or {}).get("name")
     verifier = verifier_of(target, model_name)
     notes: list[str] = []
+    arch = registry.arch_from_checkpoint(kind, target, info["config"])
     if kind == "eagle3":
-        from drafters import eagle3
-
         k = num_draft_tokens or (run_cfg.get("drafter") or {}).get("num_draft_tokens") or 3
-        arch = eagle3.arch_from_checkpoint(target, info["config"])
         config, tensors = E.to_peer(arch, info["params"], info["buffers"], target.cfg, fmt, num_draft_tokens=int(k),
                                     verifier=verifier)
     else:
-        from drafters import dflash
-
-        arch = dflash.arch_from_checkpoint(target, info["config"])
         # the engines draft a whole block by default (vLLM: num_speculative_tokens; SGLang: block_size - 1)
         k = num_draft_tokens or arch.drafts
         config, tensors, notes = B.to_peer(kind, arch, info["params"], info["buffers"], target.cfg, fmt,
@@ -202,61 +203,3 @@ def model_card(run: Path, run_cfg: dict, meta: dict, config: dict, target, token
               "Tokenizer files: " + (", ".join(tokenizer_files) if tokenizer_files else
                                      "none (the target has no tokenizer)") + "."]
     return "\n".join(lines) + "\n"
-
-
-def read_tensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of a directory's model.safetensors, or of the shards its index.json lists (the target
-    loader's reader, `specdec.models.loading.read_safetensors_checkpoint`), its errors as CheckpointError."""
-    from specdec.models.loading import read_safetensors_checkpoint
-    from specdec.models.registry import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
-
-    try:
-        return read_safetensors_checkpoint(path)
-    except (CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError) as e:
-        raise ckpt.CheckpointError(str(e)) from None
-
-
-def export_kind(config: dict) -> str | None:
-    """The drafter kind of a peer config.json ("eagle3", "dflash", "dspark"), or None."""
-    if E.detect_format(config) is not None:
-        return "eagle3"
-    found = B.detect(config)
-    return found[0] if found else None
-
-
-def is_export(path: str | os.PathLike) -> str | None:
-    """The drafter kind of an exported (or peer-trained) directory, or None."""
-    p = Path(path) / CONFIG_FILE
-    if not p.is_file():
-        return None
-    try:
-        return export_kind(json.loads(p.read_text()))
-    except (json.JSONDecodeError, AttributeError):
-        return None
-
-
-def load_export(path: str | os.PathLike, expect_name: str | None = None) -> dict:
-    """An exported (or peer-trained) EAGLE-3 / DFlash / DSpark directory in `load_drafter`'s form: {"drafter",
-    "config", "target", "params", "buffers", "step", "source"}, plus "embed" / "head" (a checkpoint's own
-    embedding [V, H] / lm_head [Vd, H], None if absent: specdec's drafters use the target's)."""
-    p = Path(path)
-    try:
-        config = json.loads((p / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ckpt.CheckpointError(f"{p / CONFIG_FILE} cannot be read ({type(e).__name__}: {e})") from None
-    kind = export_kind(config)
-    if kind is None:
-        raise ckpt.CheckpointError(f"{p / CONFIG_FILE} is no EAGLE-3 / DFlash / DSpark drafter config (vLLM "
-                                   "speculators or SGLang)")
-    if expect_name is not None and expect_name != kind:
-        raise ckpt.CheckpointError(f"{p} holds a {kind!r} drafter, not {expect_name!r}")
-    out = (E if kind == "eagle3" else B).from_peer(config, read_tensors(p))
-    meta = json.loads((p / META_FILE).read_text()) if (p / META_FILE).is_file() else {}
-    target = {**out["dims"]}
-    if "num_layers" in meta.get("target", {}):
-        target["num_layers"] = meta["target"]["num_layers"]
-    # DSpark's calibrated temperatures are not in the peer format; specdec's own export keeps them in the meta
-    buffers = {**out["buffers"], **{k: np.asarray(v, np.float32) for k, v in meta.get("buffers", {}).items()}}
-    return {"drafter": kind, "config": out["config"], "target": target, "params": out["params"],
-            "buffers": buffers, "step": int(meta.get("step", -1)), "source": f"{p} ({out['format']} layout)",
-            "embed": out["embed"], "head": out.get("head")}

@@ -16,7 +16,7 @@ function below handles both; which one a target uses is decided once, when it is
 The reference backend goes one step further (`fuse_layers`, run once when its target is built): each layer's
 q|k|v and gate|up weights are concatenated into one matrix, and every layer matrix (and an untied lm_head) is
 stored [out, in]. Products of up to 64 rows (decode, verify) then run as `W @ x^T` (`dense_t`), which XLA:CPU
-streams 1.05-3.7x faster than `x @ W` at 2-16 rows (docs/BENCHMARKS.md, session 14). `standard_layers`
+streams 1.05-3.7x faster than `x @ W` at 2-16 rows (docs/BENCHMARKS.md). `standard_layers`
 converts back; `forward` accepts every layout.
 """
 
@@ -150,7 +150,7 @@ def standard_layers(params: Params) -> Params:
 
 # A product with at most this many rows (decode, verify, batch-64 data generation) runs as W @ x^T, more rows
 # (prefill, training) as x @ W^T: at 2-16 rows XLA:CPU streams [out, in] weights 1.2-2x faster the first way, at
-# 64 rows it is as fast or faster (`python -m benchmarks.bench_products`, docs/BENCHMARKS.md session 14).
+# 64 rows it is as fast or faster (`python -m benchmarks.bench_products`, docs/BENCHMARKS.md).
 SKINNY_ROWS = 64
 
 
@@ -355,7 +355,7 @@ def _attend_one(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     """`attend` for one new token per row (plain decode), with the cache slots as the rows of each product:
     scores [S, G] = K [S, HD] x q [HD, G], then out [G, HD] = p^T [G, S] x V [S, HD]. The same sums as `attend`'s
     [G, HD] x [HD, S] products. XLA:CPU ran 30 chained layers of it 1.5x faster at batch 64 and 1.2x at batch 8,
-    and 0.9x at batch 1, ~0.3 ms of a ~30 ms step (benchmarks/bench_attention.py, docs/BENCHMARKS.md session 9).
+    and 0.9x at batch 1, ~0.3 ms of a ~30 ms step (benchmarks/bench_attention.py, docs/BENCHMARKS.md).
     With 2 or more new tokens the query-rows form measured as fast or faster."""
     b, _, nh, hd = q.shape
     kvh = k_cache.shape[1]

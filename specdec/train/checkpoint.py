@@ -8,7 +8,8 @@ Training run directory (`<output.dir>/<output.name>/`):
     metrics.jsonl, summary.json
 
 `load_drafter(path)` accepts such a run directory (params.npz if the run exported, else the latest orbax
-checkpoint: an unfinished run is usable too) or any directory holding drafter.json + params.npz.
+checkpoint: an unfinished run is usable too), any directory holding drafter.json + params.npz, or an EAGLE-3 /
+DFlash / DSpark drafter in the vLLM / SGLang layout (`load_export`; `specdec export` writes them, specdec/export).
 Missing or unreadable checkpoints raise `CheckpointError` with the path and what was found there.
 """
 
@@ -26,6 +27,7 @@ DRAFTER_FILE = "drafter.json"
 PARAMS_FILE = "params.npz"
 CHECKPOINTS = "checkpoints"
 EXPORT_CONFIG = "config.json"  # an exported drafter directory (specdec/export) has this instead of drafter.json
+EXPORT_META = "specdec_export.json"  # and this, when specdec wrote it: what a re-import needs (format, step, ...)
 
 
 class CheckpointError(ValueError):
@@ -150,9 +152,7 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: 
     if step is not None and not (p / CHECKPOINTS).is_dir():
         raise CheckpointError(f"{p} has no {CHECKPOINTS}/ to read step {step} from")
     if not (p / DRAFTER_FILE).is_file() and (p / EXPORT_CONFIG).is_file():
-        from specdec.export import load_export  # a drafter exported for vLLM / SGLang (specdec/export)
-
-        return load_export(p, expect_name)
+        return load_export(p, expect_name)  # a drafter exported for vLLM / SGLang (specdec/export)
     if not (p / DRAFTER_FILE).is_file():
         found = sorted(x.name for x in p.iterdir())[:10] if p.is_dir() else "a file"
         raise CheckpointError(f"{p} is not a trained drafter: no {DRAFTER_FILE} (found: {found}); pass a training "
@@ -237,8 +237,6 @@ def drafter_kind(path: str | os.PathLike) -> str:
             return str(json.loads((p / DRAFTER_FILE).read_text())["drafter"])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{p / DRAFTER_FILE} is corrupt ({type(e).__name__}: {e})") from None
-    from specdec.export import is_export
-
     kind = is_export(p)
     if kind:
         return kind
@@ -268,3 +266,73 @@ def target_info(target) -> dict:
     cfg = target.cfg
     return {"name": cfg.name, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
             "num_layers": cfg.num_layers}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drafters in the vLLM / SGLang layouts: written by `specdec export` (specdec/export), or trained by a peer.
+# The format modules specdec/export/eagle3.py and block.py are imported inside the functions: importing them
+# runs specdec/export/__init__.py, which imports this module.
+# ---------------------------------------------------------------------------------------------------------
+
+def read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of a directory's model.safetensors, or of the shards its index.json lists (the target
+    loader's reader, `specdec.models.loading.read_safetensors_checkpoint`), its errors as CheckpointError."""
+    from specdec.models.loading import read_safetensors_checkpoint
+    from specdec.models.registry import CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError
+
+    try:
+        return read_safetensors_checkpoint(path)
+    except (CorruptCheckpointError, ModelNotFoundError, UnsupportedModelError) as e:
+        raise CheckpointError(str(e)) from None
+
+
+def export_kind(config: dict) -> str | None:
+    """The drafter kind of a peer config.json ("eagle3", "dflash", "dspark"), or None."""
+    from specdec.export import block as B
+    from specdec.export import eagle3 as E
+
+    if E.detect_format(config) is not None:
+        return "eagle3"
+    found = B.detect(config)
+    return found[0] if found else None
+
+
+def is_export(path: str | os.PathLike) -> str | None:
+    """The drafter kind of an exported (or peer-trained) directory, or None."""
+    p = Path(path) / EXPORT_CONFIG
+    if not p.is_file():
+        return None
+    try:
+        return export_kind(json.loads(p.read_text()))
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
+def load_export(path: str | os.PathLike, expect_name: str | None = None) -> dict:
+    """An exported (or peer-trained) EAGLE-3 / DFlash / DSpark directory in `load_drafter`'s form: {"drafter",
+    "config", "target", "params", "buffers", "step", "source"}, plus "embed" / "head" (a checkpoint's own
+    embedding [V, H] / lm_head [Vd, H], None if absent: specdec's drafters use the target's)."""
+    p = Path(path)
+    try:
+        config = json.loads((p / EXPORT_CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p / EXPORT_CONFIG} cannot be read ({type(e).__name__}: {e})") from None
+    kind = export_kind(config)
+    if kind is None:
+        raise CheckpointError(f"{p / EXPORT_CONFIG} is no EAGLE-3 / DFlash / DSpark drafter config (vLLM "
+                              "speculators or SGLang)")
+    if expect_name is not None and expect_name != kind:
+        raise CheckpointError(f"{p} holds a {kind!r} drafter, not {expect_name!r}")
+    from specdec.export import block as B
+    from specdec.export import eagle3 as E
+
+    out = (E if kind == "eagle3" else B).from_peer(config, read_tensors(p))
+    meta = json.loads((p / EXPORT_META).read_text()) if (p / EXPORT_META).is_file() else {}
+    target = {**out["dims"]}
+    if "num_layers" in meta.get("target", {}):
+        target["num_layers"] = meta["target"]["num_layers"]
+    # DSpark's calibrated temperatures are not in the peer format; specdec's own export keeps them in the meta
+    buffers = {**out["buffers"], **{k: np.asarray(v, np.float32) for k, v in meta.get("buffers", {}).items()}}
+    return {"drafter": kind, "config": out["config"], "target": target, "params": out["params"],
+            "buffers": buffers, "step": int(meta.get("step", -1)), "source": f"{p} ({out['format']} layout)",
+            "embed": out["embed"], "head": out.get("head")}

@@ -11,11 +11,12 @@ and times, after a warm-up call each:
   * a fingerprint of the compiled target step's HLO instructions (batch 1 and 8 at one token, batch 1 at four;
     source locations and other metadata dropped): equal fingerprints mean XLA compiled the same program, so
     any timing difference between those commits is the machine's noise.
-The probe uses only APIs every commit since session 8 has. Commits run in turn, the order reversed on every
-other pass (a machine whose speed drifts then penalises no commit), and each figure is the median over passes;
-the table gives each commit's figures as a ratio to the first commit's.
+The probe uses only long-standing APIs (`Target.forward`, `generate`, `speculative_generate`, the n-gram drafter),
+so older commits run it too. Commits run in turn, the order reversed on every other pass (a machine whose speed
+drifts then penalises no commit), and each figure is the median over passes; the table gives each commit's figures
+as a ratio to the first commit's.
 
-    python -m benchmarks.bench_commits 204fbef 5e408db c3cbad3 HEAD --passes 2 [--json OUT]
+    python -m tools.bench_commits 204fbef 5e408db c3cbad3 HEAD --passes 2 [--json OUT]
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def main(argv=None) -> None:
         print(f"| {sha[:8]} | " + " | ".join(cells) + f" | {same} | {hlo} |")
     print(f"# load avg {os.getloadavg()[0]:.2f} at end")
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": "python -m benchmarks.bench_commits " + " ".join(
+        Path(args.json).write_text(json.dumps({"command": "python -m tools.bench_commits " + " ".join(
             argv if argv is not None else sys.argv[1:]), "commits": [s for s, _ in trees], "passes": results,
             "median": median}, indent=1))
 

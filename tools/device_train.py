@@ -14,10 +14,10 @@ does in a session and train on them. What stands in the way, and how this script
 
 Three steps:
 
-    python -m experiments.device_train pack                 # 1. here: .device/ and the calls, printed
+    python -m tools.device_train pack                 # 1. here: .device/ and the calls, printed
     #   2. the printed `device run` calls, back to back; the last prints where its files landed (files_at)
-    python -m experiments.device_train unpack FILES_AT runs/snapshots/device_sNN     # 3. here: the drafter
-    python -m experiments.device_train dry-run              # steps 1-3 on this CPU at tiny sizes
+    python -m tools.device_train unpack FILES_AT runs/snapshots/device_sNN     # 3. here: the drafter
+    python -m tools.device_train dry-run              # steps 1-3 on this CPU at tiny sizes
 
 The work in the last call (`device`): assemble and check the GGUF, `specdec data` with `data.max_seconds`, then
 `specdec train` with `train.max_seconds` (the run ends evaluated and calibrated at its budget), a float16
@@ -240,7 +240,7 @@ def pack(config: str = DEFAULT_CONFIG, out: Path = REPO / PACK_DIR, *, model_fil
 def calls(plan: dict, pack_dir: str = PACK_DIR, extra: str = "") -> list[dict]:
     """The `device run` calls that carry a pack: the same command each time, the common folder on the last."""
     n = len(plan["parts"])
-    command = f"PYTHONUNBUFFERED=1 python3 -m experiments.device_train device --out $OUT {extra}".strip()
+    command = f"PYTHONUNBUFFERED=1 python3 -m tools.device_train device --out $OUT {extra}".strip()
     return [{"carry": [f"{pack_dir}/part{i}"] + ([f"{pack_dir}/common"] if i == n - 1 else []),
              "command": command, "timeout_s": 580 if i == n - 1 else 120} for i in range(n)]
 
@@ -255,7 +255,7 @@ def stage_parts(carried: Path, stage: Path) -> tuple[dict, list[str]]:
     plans = sorted(carried.glob(f"*/{PLAN}"))
     if not plans:
         raise DeviceTrainError(f"this call carries no part of a pack: nothing under {carried}/*/{PLAN}; run "
-                               "`python -m experiments.device_train pack` here and carry its folders")
+                               "`python -m tools.device_train pack` here and carry its folders")
     plan = json.loads(plans[0].read_text())
     for other in plans[1:]:
         if json.loads(other.read_text())["xz_sha256"] != plan["xz_sha256"]:
@@ -565,7 +565,7 @@ def main(argv=None) -> int:
             for i, call in enumerate(todo):
                 print(f"  {i + 1}. run(carry={json.dumps(call['carry'])}, timeout_s={call['timeout_s']}, "
                       f"command={call['command']!r})")
-            print("then: python -m experiments.device_train unpack <files_at> runs/snapshots/<name>")
+            print("then: python -m tools.device_train unpack <files_at> runs/snapshots/<name>")
         elif args.cmd == "device":
             return device(args)
         elif args.cmd == "unpack":

@@ -1,9 +1,9 @@
 """A pytest plugin that reports how much of a test run XLA spent compiling, per process (each xdist worker and
-the controller), with the functions whose compilations cost most. Session 35 found compiling to be about half
-of the suite's time this way (docs/BENCHMARKS.md "Session 35"):
+the controller), with the functions whose compilations cost most. Counted this way, compiling is about half of
+the test suite's time (docs/BENCHMARKS.md):
 
-    python -m pytest -p benchmarks.compile_time                        # the whole suite, two workers
-    python -m pytest -q -n 0 -p benchmarks.compile_time tests/test_hybrid.py
+    python -m pytest -p tools.compile_time                        # the whole suite, two workers
+    python -m pytest -q -n 0 -p tools.compile_time tests/test_hybrid.py
 
 It sums JAX's `/jax/core/compile/backend_compile_duration` events (XLA's own compile, not tracing or lowering).
 """
