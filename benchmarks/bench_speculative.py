@@ -17,7 +17,7 @@ are kept in the JSON as `speedup_by_pass`), printed with its distribution-free 9
 (`speedup_interval`, `benchmarks.common.median_interval`): a category whose interval lies above 0.97 does not
 lose, one whose interval spans it is not resolved by R passes.
 Under each adaptive row (scheduler=adaptive) it prints the cost model's check: the round costs per verify width
-that its timed calls imply (`specdec.adaptive.fit_round_costs`, with standard errors) beside the profile they
+that its timed calls imply (`benchmarks.cost_fit.fit_round_costs`, with standard errors) beside the profile they
 ran with; `reprofile=true` in a drafter spec re-measures that profile once for the run instead of using the cache.
 Every call runs with `warmup=True` (the same compiled programs first run for 2 tokens, untimed), so timings
 exclude compilation. The suffix drafter's global corpus is cleared at the start of each pass of each (subset,
@@ -50,12 +50,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.cost_fit import fit_line, fit_round_costs
 from benchmarks.common import (DEFAULT_DATA, QUICKSTART_SUBSETS, SUBSETS, DrafterSpec, command_line, groups_of,
                                interval_text, load_prompts, median_interval, run_ar, run_hf_prompt_lookup, run_spec,
                                write_json)
 from drafters import create_drafter
 from specdec import trees
-from specdec.adaptive import fit_round_costs
 from specdec.engine import speculative_generate
 from specdec.generate import cache_capacity, generate
 from specdec.metrics import DecodeMetrics, merge, speedup
@@ -188,7 +188,7 @@ def main(argv=None) -> dict:
                              "cost_fit": fit})
                 print(_line(rows[-1]), flush=True)
                 if fit:
-                    print("          " + _fit_line(fit), flush=True)
+                    print("          " + fit_line(fit), flush=True)
             summary["rows"].extend(rows)
         if not args.skip_transformers:
             gguf = registry.resolve(args.model)
@@ -266,18 +266,6 @@ def _row(m, ar, tokens, ar_tokens) -> dict:
             "predicted_tok_s": m.predicted_tokens_per_second if m.predicted_seconds else None,
             "width_rounds": m.width_rounds or None, "expected_accepted": m.expected_accepted,
             "realised_accepted": m.realised_accepted}
-
-
-def _fit_line(fit: dict) -> str:
-    """The cost model's check (`specdec.adaptive.fit_round_costs`): the costs the timed calls imply against the
-    profile they ran with, as multiples of the profile's plain round."""
-    def ratio(value, err):
-        return "-" if value is None else f"{value:.2f}+-{err:.2f}"
-    fitted = " / ".join(ratio(v, e) for v, e in zip(fit["ratios"], fit["ratios_stderr"]))
-    profile = " / ".join(f"{v:.2f}" for v in fit["profile_ratios"])
-    return (f"round costs by width over the profile's C(0), fitted on {fit['runs']} calls: {fitted} (profile "
-            f"{profile}); a draft not verified {ratio(fit['draft'], fit['draft_stderr'])} (profile "
-            f"{fit['profile_draft']:.2f})")
 
 
 def _line(r: dict) -> str:

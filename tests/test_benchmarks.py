@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
+
+from benchmarks.common import median_interval
+from benchmarks.cost_fit import fit_line, fit_round_costs
+from specdec.metrics import DecodeMetrics
 
 
 def test_median_interval_is_the_sign_test_interval_and_covers():
     """benchmarks.common.median_interval: the order statistics of the sign test (n = 9 at 90%: the 2nd and 8th
     of the sorted values, which cover the median with probability 1 - 2 x 10/512 = 0.961), None when too few
     passes, and the coverage it promises on skewed draws."""
-    from benchmarks.common import median_interval
-
     assert median_interval([5, 1, 4, 2, 3]) == (1.0, 5.0)
     assert median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5]) == (2.0, 8.0)
     assert median_interval([1, 2, 3, 4]) is None
@@ -18,3 +23,57 @@ def test_median_interval_is_the_sign_test_interval_and_covers():
     draws = rng.lognormal(size=(4000, 9))  # skewed: the true median is exp(0) = 1
     covered = np.mean([lo <= 1.0 <= hi for lo, hi in map(median_interval, draws)])
     assert 0.95 < covered < 0.975, covered
+
+
+def test_fit_round_costs_recovers_the_costs_the_runs_paid():
+    """`benchmarks.cost_fit.fit_round_costs` (the cost model's check bench_speculative prints): from runs whose decode seconds follow
+    known costs per width and per unverified draft, in units of each run's own (rescaled) C(0), it recovers them;
+    a width no run chose is None; too few runs give None; mixed verify widths are a clear error."""
+
+    true_ratios, true_draft = [1.0, 1.5, 1.62, 1.9], 0.2
+    rng = np.random.default_rng(0)
+    runs = []
+    for _ in range(12):
+        c0 = 0.03 * (1 + 0.1 * rng.standard_normal())  # each run rescaled to the machine's speed then
+        counts = [int(rng.integers(5, 60)), 0, int(rng.integers(0, 30)), int(rng.integers(0, 30))]
+        unverified = int(rng.integers(0, min(5, counts[0]) + 1))
+        skipped = counts[0] - unverified
+        seconds = c0 * (float(np.dot(counts, true_ratios)) + unverified * true_draft)
+        runs.append(DecodeMetrics(new_tokens=64, rounds=sum(counts), accepted_draft_tokens=0, proposed_draft_tokens=0,
+                                  prefill_seconds=0.0, decode_seconds=seconds, verify_widths=[0, 1, 3, 7],
+                                  width_rounds=counts, skipped_drafts=skipped, predicted_seconds=seconds,
+                                  round_costs=[c0, 1.4 * c0, 1.5 * c0, 1.7 * c0], draft_cost=0.1 * c0))
+    fit = fit_round_costs(runs)
+    assert fit["runs"] == 12 and fit["ratios"][0] == pytest.approx(1.0)
+    assert fit["ratios"][1] is None and fit["ratios_stderr"][1] is None
+    for got, want in zip([fit["ratios"][i] for i in (0, 2, 3)], [1.0, 1.62, 1.9]):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert fit["draft"] == pytest.approx(true_draft, rel=1e-6)
+    assert fit["profile_ratios"] == pytest.approx([1.0, 1.4, 1.5, 1.7]) and fit["profile_draft"] == pytest.approx(0.1)
+    assert "1.62+-0.00" in fit_line(fit) and "(profile 0.10)" in fit_line(fit)
+
+    # a drafter that drafts every round: each width-0 round is an unverified draft, priced within C(0)
+    always = [dataclasses.replace(m, skipped_drafts=0, decode_seconds=m.round_costs[0] * (
+        float(np.dot(m.width_rounds, true_ratios)) + m.width_rounds[0] * true_draft)) for m in runs]
+    fit = fit_round_costs(always)
+    assert fit["draft"] is None and fit["ratios"][0] == pytest.approx(1.0 + true_draft)
+    assert fit["ratios"][3] == pytest.approx(1.9, rel=1e-6)  # over the profile's C(0), not the fitted one
+
+    # runs of ~2 plain rounds each (GSM8K's): C(0) is barely determined, so every figure stays over the profile's
+    # C(0) (divided by a fitted C(0) near 0, a real fit printed negative ratios and errors)
+    rng = np.random.default_rng(1)
+    few = []
+    for _ in range(24):
+        counts = [int(rng.integers(1, 4)), 0, int(rng.integers(0, 8)), int(rng.integers(20, 30))]
+        seconds = 0.025 * float(np.dot(counts, true_ratios)) * (1 + 0.03 * rng.standard_normal())
+        few.append(dataclasses.replace(runs[0], width_rounds=counts, skipped_drafts=counts[0], decode_seconds=seconds,
+                                       round_costs=[0.025, 0.035, 0.0375, 0.0425]))
+    fit = fit_round_costs(few)
+    assert fit["ratios_stderr"][0] > 0.2  # the plain round: hardly constrained by these runs
+    assert abs(fit["ratios"][3] - 1.9) < 4 * fit["ratios_stderr"][3] < 0.2  # the width they mostly ran: priced
+    assert all(e >= 0 for e in fit["ratios_stderr"] if e is not None)
+
+    assert fit_round_costs(runs[:3]) is None  # 3 runs, 4 unknowns
+    other = dataclasses.replace(runs[0], verify_widths=[0, 2, 7], width_rounds=[3, 4, 5], round_costs=[1.0, 1.5, 2.0])
+    with pytest.raises(ValueError, match="different verify widths"):
+        fit_round_costs(runs + [other])
