@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from benchmarks.common import median_interval
+from benchmarks.common import Report, check_comparable, load_method_configs, median_interval, split_args
 from benchmarks.cost_fit import fit_line, fit_round_costs
+from specdec.config import load_config
 from specdec.metrics import DecodeMetrics
 
 
@@ -77,3 +81,108 @@ def test_fit_round_costs_recovers_the_costs_the_runs_paid():
     other = dataclasses.replace(runs[0], verify_widths=[0, 2, 7], width_rounds=[3, 4, 5], round_costs=[1.0, 1.5, 2.0])
     with pytest.raises(ValueError, match="different verify widths"):
         fit_round_costs(runs + [other])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compared methods from experiment configs, and the result schema
+# ---------------------------------------------------------------------------------------------------------
+
+def _write(path, text):
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+@pytest.fixture
+def tiny_configs(tmp_path):
+    """A base on the tiny random target (built-in prompts, 8 new tokens) and two methods extending it."""
+    _write(tmp_path / "base.yaml", """\
+        model: {name: tiny, max_seq_len: 512}
+        generation: {max_new_tokens: 8, batch_size: 1}
+        data: {datasets: [{name: quickstart, limit: 3}]}
+        tracking: {backend: none}
+        """)
+    ngram = _write(tmp_path / "ngram.yaml", """\
+        extends: base.yaml
+        drafter: {name: ngram, num_draft_tokens: 4, params: {max_ngram: 2}}
+        scheduler: {kind: fixed}
+        """)
+    suffix = _write(tmp_path / "suffix.yaml", """\
+        extends: base.yaml
+        drafter: {name: suffix, num_draft_tokens: 4}
+        verify: {policy: greedy_tree}
+        scheduler: {kind: fixed}
+        """)
+    return ngram, suffix
+
+
+def test_split_args_tells_configs_from_overrides(tmp_path):
+    odd = _write(tmp_path / "a=b.yaml", "{}\n")  # an existing file is a config even with '=' in its name
+    assert split_args(["x.yaml", "generation.batch_size=8", odd]) == (["x.yaml", odd], ["generation.batch_size=8"])
+
+
+def test_method_configs_share_the_run_settings_or_name_the_key(tiny_configs):
+    ngram, suffix = tiny_configs
+    methods = load_method_configs([ngram, suffix], ["generation.batch_size=2"])
+    assert [name for name, _ in methods] == ["ngram", "suffix"]
+    assert all(cfg.generation.batch_size == 2 for _, cfg in methods)  # overrides apply to every config
+    other = _write(Path(ngram).parent / "long.yaml", "extends: suffix.yaml\ngeneration: {max_new_tokens: 16}\n")
+    with pytest.raises(ValueError, match=r"differ in generation\.max_new_tokens: ngram has 8, long has 16"):
+        load_method_configs([ngram, other])
+    with pytest.raises(ValueError, match=r"differ in data\.datasets\.0\.limit"):
+        check_comparable([("a", load_config(ngram)), ("b", load_config(suffix, ["data.datasets.0.limit=2"]))])
+    with pytest.raises(ValueError, match="both named ngram"):
+        load_method_configs([ngram, ngram])
+
+
+def test_the_shipped_benchmark_configs_load_and_compare():
+    """configs/benchmarks/: every method config loads (its scheduler knobs exist) and they share the run settings,
+    so one benchmark run can compare them all."""
+    folder = Path(__file__).resolve().parents[1] / "configs" / "benchmarks"
+    paths = sorted(str(p) for p in folder.glob("*.yaml") if p.stem not in ("base", "results_table"))
+    methods = dict(load_method_configs(paths))
+    assert {"ngram", "suffix", "dspark_shipped", "hybrid"} <= set(methods)
+    assert methods["dspark_shipped"].drafter.path == "drafters/trained/dspark_smollm2_mix"
+
+
+def test_a_sweep_file_is_one_method_per_run(tiny_configs, tmp_path):
+    ngram, _ = tiny_configs
+    sweep = _write(tmp_path / "sweep.yaml", """\
+        base: ngram.yaml
+        runs:
+          - {name: k2, drafter.num_draft_tokens: 2}
+          - {name: k4}
+        """)
+    methods = load_method_configs([sweep])
+    assert [(name, cfg.drafter.num_draft_tokens) for name, cfg in methods] == [("k2", 2), ("k4", 4)]
+
+
+def test_bench_speculative_compares_config_methods_with_ar(tiny_configs, tmp_path):
+    """The whole benchmark on the tiny target: one row per dataset and method (AR first), every greedy output
+    equal to AR's in every pass, and results.json / results.md in the shared schema."""
+    from benchmarks import bench_speculative
+
+    ngram, suffix = tiny_configs
+    out = tmp_path / "out"
+    result = bench_speculative.main([ngram, suffix, "--repeats", "2", "--out", str(out)])
+    rows = result["rows"]
+    assert [r["method"] for r in rows] == ["AR", "ngram", "suffix"]
+    assert all(r["same_as_ar"] == [3, 3] for r in rows[1:]), rows
+    assert all(len(r["speedup_by_pass"]) == 2 for r in rows)
+    data = json.loads((out / "results.json").read_text())
+    meta = data["meta"]
+    assert {"cpu", "cores"} <= set(meta["machine"]) and meta["commit"] and meta["date"]
+    assert meta["load_avg_start"] is not None and meta["load_avg_end"] is not None
+    assert meta["command"].startswith("python -m benchmarks.bench_speculative ") and "--repeats 2" in meta["command"]
+    md = (out / "results.md").read_text()
+    assert meta["commit"] in md and meta["command"] in md and "| quickstart | 1 | suffix |" in md
+
+
+def test_report_writes_json_and_markdown_with_provenance(tmp_path):
+    report = Report("benchmarks/bench_x.py", ["--flag", "a b"], tmp_path)
+    report.table("Step", ["batch", "ms"], [[1, 2.5], [8, float("nan")]], echo=False)
+    report.write({"value": float("inf")})
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["command"] == "python -m benchmarks.bench_x --flag 'a b'"
+    assert data["results"] == {"value": None} and data["tables"][0]["rows"][1] == [8, None]
+    md = (tmp_path / "results.md").read_text()
+    assert md.startswith("# bench_x\n") and "| 1 | 2.5 |" in md and "load average" in md
