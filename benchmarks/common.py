@@ -123,7 +123,8 @@ def add_output_arg(ap, script: str) -> None:
 
 class Report:
     """One benchmark run's results in the shared schema: `results.json` = {"meta": provenance, "tables": [{title,
-    header, rows}], "results": the script's own data} and `results.md` = the provenance lines, then each table.
+    header, rows, note} or {title, markdown}], "results": the script's own data} and `results.md` = the provenance
+    lines, then each table.
 
         report = Report(__file__, argv, args.out)     # at the start: the load average before any work
         report.table("Decode step", ["batch", "ms"], [[1, 12.3]], note="median of 300 steps")
@@ -147,6 +148,12 @@ class Report:
             print(f"\n{title}" + (f" ({note})" if note else "") + f"\n\n{text}", flush=True)
         return text
 
+    def section(self, title: str, markdown: str, echo: bool = True) -> None:
+        """Adds Markdown made elsewhere (e.g. a library's report) as a section of its own."""
+        self.tables.append({"title": title, "markdown": markdown})
+        if echo:
+            print(f"\n{title}\n\n{markdown}", flush=True)
+
     def header_lines(self) -> list[str]:
         m = self.meta
         return [f"- machine: {machine_text(m)}; {m['machine']['platform']}, jax {m['machine']['jax']}",
@@ -156,8 +163,11 @@ class Report:
     def markdown(self) -> str:
         parts = [f"# {self.title}", "\n".join(self.header_lines())]
         for t in self.tables:
-            parts.append(f"## {t['title']}" + (f"\n\n{t['note']}" if t["note"] else "")
-                         + "\n\n" + markdown_table(t["header"], t["rows"]))
+            if "markdown" in t:
+                parts.append(f"## {t['title']}\n\n{t['markdown'].strip()}")
+            else:
+                parts.append(f"## {t['title']}" + (f"\n\n{t['note']}" if t["note"] else "")
+                             + "\n\n" + markdown_table(t["header"], t["rows"]))
         return "\n\n".join(parts) + "\n"
 
     def finish(self) -> None:
@@ -199,15 +209,6 @@ def _json_default(value):
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
-def write_json(path: str | None, summary) -> None:
-    """A benchmark's JSON summary (`--json OUT`; parent folders made; nothing when path is None)."""
-    if path:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(summary, f, indent=2)
-        print(f"wrote {path}")
 
 
 # ----------------------------------------------------------------------------------------------------------
