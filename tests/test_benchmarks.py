@@ -186,3 +186,52 @@ def test_report_writes_json_and_markdown_with_provenance(tmp_path):
     assert data["results"] == {"value": None} and data["tables"][0]["rows"][1] == [8, None]
     md = (tmp_path / "results.md").read_text()
     assert md.startswith("# bench_x\n") and "| 1 | 2.5 |" in md and "load average" in md
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The README's results table
+# ---------------------------------------------------------------------------------------------------------
+
+def test_the_results_table_file_names_the_benchmark_configs():
+    from benchmarks.results_table import DEFAULT_TABLE, load_table
+
+    table = load_table(DEFAULT_TABLE)
+    assert table["batch_sizes"] == [1, 8] and table["repeats"] == 1
+    assert [Path(p).name for p in table["methods"].values()] == ["ngram.yaml", "suffix.yaml", "dspark_shipped.yaml",
+                                                                  "hybrid.yaml"]
+    methods = load_method_configs(list(table["methods"].values()))
+    assert all(cfg.generation.max_new_tokens == 64 and cfg.generation.batch_size == 1 for _, cfg in methods)
+
+
+def test_the_results_table_has_a_row_per_method_and_batch_with_provenance(tmp_path):
+    from benchmarks.results_table import BEGIN, END, load_table, rewrite_readme, table_rows
+
+    meta = {"machine": {"cpu": "Some CPU", "cores": 2}, "commit": "abc1234", "load_avg_start": [0.5, 0, 0],
+            "load_avg_end": [1.25, 0, 0]}
+    cells = [{"method": m, "batch": b, "dataset": d, "tau": 2.0, "speedup": 1.5, "same_as_ar": [8, 8]}
+             for b in (1, 8) for m in ("n-gram", "hybrid") for d in ("mt_bench", "gsm8k")]
+    header, rows = table_rows(cells, meta)
+    assert header[:4] == ["drafter", "batch", "MT-Bench: tau · speedup · = AR", "GSM8K: tau · speedup · = AR"]
+    assert [r[:2] for r in rows] == [["n-gram", 1], ["hybrid", 1], ["n-gram", 8], ["hybrid", 8]]
+    assert rows[0][2:] == ["2.00 · 1.50x · 8/8", "2.00 · 1.50x · 8/8", "Some CPU, 2 cores", "abc1234", "0.50 -> 1.25"]
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Results\n\n{BEGIN}\nold\n{END}\n\n## Next\n")
+    rewrite_readme(readme, "| new |")
+    assert readme.read_text() == f"# x\n\n## Results\n\n{BEGIN}\n| new |\n{END}\n\n## Next\n"
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="results-table"):
+        rewrite_readme(readme, "| new |")
+
+    bad = tmp_path / "table.yaml"
+    bad.write_text("methods: {a: ngram.yaml}\nbatch: [1]\n")
+    with pytest.raises(ValueError, match="unknown keys batch"):
+        load_table(bad)
+
+
+def test_the_readme_has_the_results_table_markers():
+    from benchmarks.results_table import BEGIN, END, README
+
+    text = README.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1 and text.index(BEGIN) < text.index(END)
+    assert "python -m benchmarks.results_table" in text
