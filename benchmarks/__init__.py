@@ -1,1 +1,1 @@
-"""The benchmark scripts, run from the repo root as `python -m benchmarks.<script>` (see common.py)."""
+"""The benchmarks a user runs, as `python -m benchmarks.<script>` from the repo root (see README.md here)."""

@@ -5,7 +5,12 @@ capacity, SmolLM2's head shapes (9 query heads, 3 KV heads, HD 64). Prints the b
 the largest output difference from the query-rows form. Measure on a quiet machine (docs/BENCHMARKS.md).
 
     python -m benchmarks.bench_attention
+Writes runs/benchmarks/bench_attention/results.{json,md} (`--out`).
 """
+
+from __future__ import annotations
+
+import argparse
 import math
 import time
 
@@ -13,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import Report, add_output_arg
 from specdec.models import transformer as T
 
 
@@ -34,8 +40,16 @@ def attend_multiply_sum(q, k_cache, v_cache, mask):
 LAYERS = 30
 
 
-def main():
-    for b, s, t in [(64, 384, 1), (8, 512, 1), (8, 512, 4), (1, 512, 1), (1, 512, 4)]:
+SHAPES = [(64, 384, 1), (8, 512, 1), (8, 512, 4), (1, 512, 1), (1, 512, 4)]  # (batch, cache slots, tokens per row)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_output_arg(ap, __file__)
+    args = ap.parse_args(argv)
+    report = Report(__file__, argv, args.out)
+    rows = []
+    for b, s, t in SHAPES:
         nh, kvh, hd = 9, 3, 64
         rng = np.random.default_rng(0)
         q = jnp.asarray(rng.standard_normal((b, t, nh, hd)), jnp.float32)
@@ -43,6 +57,7 @@ def main():
         vs = [jnp.asarray(rng.standard_normal((b, kvh, s, hd)), jnp.float32) for _ in range(LAYERS)]
         lengths = jnp.full((b,), s // 2, jnp.int32)
         mask = T.attention_mask(lengths, s, jnp.broadcast_to(T.causal_mask(t), (b, t, t)))
+
         def run(fn):
             def f(q, ks, vs, mask):
                 acc = q
@@ -63,7 +78,19 @@ def main():
                 for _ in range(5):
                     jax.block_until_ready(f(q, ks, vs, mask))
                 res.setdefault(n, []).append((time.perf_counter() - t0) / 5 * 1e3)
-        print(f"B={b} S={s} T={t}: " + ", ".join(f"{n} {min(v):.2f} ms" for n, v in res.items()), f"maxdiff {err:.1e}", flush=True)
+        print(f"B={b} S={s} T={t}: " + ", ".join(f"{n} {min(v):.2f} ms" for n, v in res.items()), f"maxdiff {err:.1e}",
+              flush=True)
+        rows.append({"batch": b, "slots": s, "tokens": t, "best_ms": {n: min(v) for n, v in res.items()},
+                     "max_diff": err})
+    report.finish()
+    forms = ["query-rows", "slot-rows", "multiply-sum"]
+    report.table(f"Attention formulations, {LAYERS} layers chained", ["B", "S", "T", *(f"{n} ms" for n in forms),
+                                                                      "max diff"],
+                 [[r["batch"], r["slots"], r["tokens"], *(f"{r['best_ms'][n]:.2f}" if n in r["best_ms"] else "-"
+                                                          for n in forms), f"{r['max_diff']:.1e}"] for r in rows],
+                 note="best of 3 x 5 calls", echo=False)
+    report.write({"rows": rows})
+    return rows
 
 
 if __name__ == "__main__":

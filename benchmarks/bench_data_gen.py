@@ -11,53 +11,28 @@ excluded (both paths are warmed up first). Utilisation = decode row-steps that p
 decode row-steps. The paths sample with different keys (per batch vs per prompt), so at temperature > 0 the
 responses differ and so do the token totals; at --temperature 0 they are the same tokens.
 
-Other jobs on a shared 2-core machine make the numbers meaningless: `--pause PIDFILE ...` stops the processes
-named there (SIGSTOP) for each timed path only, waits until the 1-minute load is below --max-load, and resumes
-them (SIGCONT) right after, also when the run fails; the load is printed next to every figure.
-    python -m benchmarks.bench_data_gen [--n 128] [--batches 64] [--paths static continuous] \
-        [--pause /tmp/data.pid /tmp/train.pid]
+Other jobs on the machine make the numbers meaningless: the load average before and after each timed path is
+reported next to its figure. The prompts: --prompts (default $SPECDEC_DATA/prompts/train_prompts.jsonl).
+
+    python -m benchmarks.bench_data_gen [--n 128] [--batches 64] [--paths static continuous]
+Writes runs/benchmarks/bench_data_gen/results.{json,md} (`--out`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import time
 
 import numpy as np
 
-from benchmarks.common import write_json
+from benchmarks.common import Report, add_output_arg
 from specdec.generate import ContinuousStats, continuous_shapes, generate_continuous
 from specdec.sampling import SamplingParams
 from specdec.target import load_target
 from specdec.train.data import encode_prompt, generate_fixed, load_prompt_records
 
-PROMPTS = "/work/shared/data/prompts/train_prompts.jsonl"
-
-
-@contextlib.contextmanager
-def others_paused(pid_files, max_load: float, max_wait: float = 120.0):
-    """Stop the processes named in `pid_files` (those that exist) and wait for the load to settle; always resume
-    them on the way out."""
-    pids = []
-    for name in pid_files:
-        try:
-            pid = int(open(name).read().split()[0])
-            os.kill(pid, signal.SIGSTOP)
-            pids.append(pid)
-        except (OSError, ValueError, IndexError):
-            continue  # no such file or process: nothing to pause
-    try:
-        t0 = time.time()
-        while pids and os.getloadavg()[0] >= max_load and time.time() - t0 < max_wait:
-            time.sleep(5)
-        yield os.getloadavg()[0]
-    finally:
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGCONT)
+PROMPTS = os.path.join(os.environ.get("SPECDEC_DATA", "data"), "prompts", "train_prompts.jsonl")
 
 
 def run_static(target, prompts, shapes, sampling, seed, warmup=True) -> dict:
@@ -93,7 +68,7 @@ def run_continuous(target, prompts, shapes, sampling, seed, warmup=True) -> dict
             "chunks": stats.chunks, "inserts": stats.inserts}
 
 
-def main():
+def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", default=PROMPTS)
     ap.add_argument("--n", type=int, default=128)
@@ -106,11 +81,9 @@ def main():
     ap.add_argument("--insert-rows", type=int, default=8)
     ap.add_argument("--paths", nargs="+", default=["static", "continuous"], choices=["static", "continuous"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pause", nargs="*", default=[], metavar="PIDFILE",
-                    help="pid files of processes to stop while a path is timed")
-    ap.add_argument("--max-load", type=float, default=1.5)
-    ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args()
+    add_output_arg(ap, __file__)
+    args = ap.parse_args(argv)
+    report = Report(__file__, argv, args.out)
 
     target = load_target("smollm2-135m-instruct")
     records = load_prompt_records(args.prompts, limit=args.n, sample_seed=args.sample_seed)
@@ -126,9 +99,9 @@ def main():
         row = {"batch": b, "insert_rows": shapes.insert_rows, "width": shapes.width, "capacity": shapes.capacity}
         for path in args.paths:
             run = run_static if path == "static" else run_continuous
-            with others_paused(args.pause, args.max_load) as load_before:
-                r = run(target, prompts, shapes, sampling, args.seed)
-                r["load_before"], r["load_after"] = load_before, os.getloadavg()[0]
+            load_before = os.getloadavg()[0]
+            r = run(target, prompts, shapes, sampling, args.seed)
+            r["load_before"], r["load_after"] = load_before, os.getloadavg()[0]
             r["tokens_per_second"] = r["tokens"] / r["seconds"]
             row[path] = r
             print(f"B={b:<4} {path:<10} {r['tokens']:6d} tokens in {r['seconds']:7.1f} s = "
@@ -138,7 +111,18 @@ def main():
             row["ratio"] = row["continuous"]["tokens_per_second"] / row["static"]["tokens_per_second"]
             print(f"B={b:<4} continuous / static = {row['ratio']:.2f}x", flush=True)
         results.append(row)
-    write_json(args.json, {"args": vars(args), "results": results})
+    report.finish()
+    report.table("Distillation data throughput", ["B", "path", "tokens", "seconds", "tok/s", "utilisation",
+                                                  "load before -> after"],
+                 [[row["batch"], path, row[path]["tokens"], f"{row[path]['seconds']:.1f}",
+                   f"{row[path]['tokens_per_second']:.1f}", f"{row[path]['utilisation']:.3f}",
+                   f"{row[path]['load_before']:.2f} -> {row[path]['load_after']:.2f}"]
+                  for row in results for path in args.paths],
+                 note=f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
+                      f"top_p {args.top_p}; continuous / static: "
+                      + ", ".join(f"B={r['batch']} {r['ratio']:.2f}x" for r in results if "ratio" in r))
+    report.write({"args": {k: v for k, v in vars(args).items() if k != "out"}, "results": results})
+    return results
 
 
 if __name__ == "__main__":

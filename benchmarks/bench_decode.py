@@ -15,7 +15,7 @@ Measured in ONE run on the current machine (numbers from different runs or machi
     cache copy per step);
   * on an NVIDIA GPU, if JAX sees one: the step there against that GPU's floor (peak HBM bandwidth).
 
-    SPECDEC_CACHE=... python -m benchmarks.bench_decode [--steps 300] [--json OUT]
+    SPECDEC_CACHE=... python -m benchmarks.bench_decode [--steps 300] [--out DIR]
     SPECDEC_CACHE=... python -m benchmarks.bench_decode --sections widths     # bandwidth + step cost by width only
 """
 
@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import os
-import platform
 import re
 import statistics
 import time
@@ -35,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import command_line, hf_model, median_seconds, write_json
+from benchmarks.common import Report, add_output_arg, hf_model, median_seconds
 from specdec.generate import generate
 from specdec.models import registry
 from specdec.models.loading import load_checkpoint
@@ -257,22 +255,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--width-batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                     help="what to measure (default: everything)")
-    ap.add_argument("--json", metavar="OUT", help="write a JSON summary here")
+    add_output_arg(ap, __file__)
     args = ap.parse_args(argv)
     if "transformers" not in args.sections:
         args.skip_transformers = True
 
-    t_start = time.time()
+    report = Report(__file__, argv, args.out)
     cpu = jax.devices("cpu")[0]
     cfg, np_params, tokenizer = load_checkpoint(args.model)
     reference = Target.from_params(cfg, np_params, tokenizer, backend="reference")
     p_bytes = param_bytes(reference.params)
     prompts = [tokenizer.encode_chat(p) for p in PROMPTS]
-    summary = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
-               "command": command_line(__file__, argv),
-               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
-                           "load_avg_at_start": os.getloadavg()},
-               "param_bytes": p_bytes, "num_parameters": cfg.num_parameters(), "timed_steps": args.steps,
+    summary = {"model": args.model, "param_bytes": p_bytes, "num_parameters": cfg.num_parameters(), "timed_steps": args.steps,
                "capacity": args.capacity, "new_tokens": args.new_tokens}
     print(f"# {cfg.name}: {cfg.num_parameters() / 1e6:.1f}M params, {p_bytes / 1e6:.0f} MB {cfg.dtype}; "
           f"jax {jax.__version__}, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f}", flush=True)
@@ -370,59 +364,48 @@ def main(argv=None) -> dict:
                   f"({p_bytes / 1e6:.0f} MB / {peak / 1e12:.2f} TB/s = {gfloor:.3f} ms; copy measured "
                   f"{gbw['GBps']:.0f} GB/s)", flush=True)
     summary["gpu"] = gpu
-    summary["wall_seconds"] = time.time() - t_start
 
-    print_table(summary)
-    write_json(args.json, summary)
+    report.finish()
+    add_tables(report, summary)
+    report.write(summary)
     return summary
 
 
-def print_table(s: dict) -> None:
+def add_tables(report: Report, s: dict) -> None:
+    """The summary's tables, in the shared result schema."""
     bw = s["cpu_bandwidth"]
-    print()
-    print(f"| measurement | value |")
-    print(f"|---|---|")
-    print(f"| weights | {s['param_bytes'] / 1e6:.0f} MB ({s['num_parameters'] / 1e6:.1f}M params) |")
-    print(f"| bandwidth (matvec / copy) | {bw['matvec_GBps']:.1f} / {bw['copy_GBps']:.1f} GB/s |")
-    print(f"| floor = weights / bandwidth | {s['cpu_floor_ms']:.2f} ms |")
+    report.table("Weights and the bandwidth floor", ["measurement", "value"], [
+        ["weights", f"{s['param_bytes'] / 1e6:.0f} MB ({s['num_parameters'] / 1e6:.1f}M params)"],
+        ["bandwidth (matvec / copy)", f"{bw['matvec_GBps']:.1f} / {bw['copy_GBps']:.1f} GB/s"],
+        ["floor = weights / bandwidth", f"{s['cpu_floor_ms']:.2f} ms"]])
     if s["steps"]:
-        print()
-        print("| step | B | median ms | p10-p90 ms | x floor | floor incl. KV | ms/token | cache-sized copies |")
-        print("|---|---|---|---|---|---|---|---|")
-    for r in s["steps"]:
-        print(f"| {r['backend']} | {r['batch']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} | "
-              f"{r['ratio_to_floor']:.2f} | {r['floor_with_kv_ms']:.2f} | {r['median_ms'] / r['batch']:.2f} | "
-              f"{r['hlo_cache_sized_copies']} |")
+        report.table("The jitted single-token step", ["step", "B", "median ms", "p10-p90 ms", "x floor",
+                                                      "floor incl. KV", "ms/token", "cache-sized copies"],
+                     [[r["backend"], r["batch"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}-{r['p90_ms']:.2f}",
+                       f"{r['ratio_to_floor']:.2f}", f"{r['floor_with_kv_ms']:.2f}",
+                       f"{r['median_ms'] / r['batch']:.2f}", r["hlo_cache_sized_copies"]] for r in s["steps"]],
+                     note=f"median of {s['timed_steps']} steps, {s['capacity']} cache slots")
     if s.get("widths"):
-        print()
-        print("| step over T tokens per row | B | T | median ms | p10-p90 ms | x one token (same B) |")
-        print("|---|---|---|---|---|---|")
-        for r in s["widths"]:
-            ratio = "-" if r["ratio_to_width_1"] is None else f"{r['ratio_to_width_1']:.2f}"
-            print(f"| reference | {r['batch']} | {r['width']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} "
-                  f"| {ratio} |")
+        report.table("The step over T tokens per row (a round verifying T - 1 drafts)",
+                     ["backend", "B", "T", "median ms", "p10-p90 ms", "x one token (same B)"],
+                     [["reference", r["batch"], r["width"], f"{r['median_ms']:.2f}",
+                       f"{r['p10_ms']:.2f}-{r['p90_ms']:.2f}",
+                       "-" if r["ratio_to_width_1"] is None else f"{r['ratio_to_width_1']:.2f}"] for r in s["widths"]])
     if s["generate"] or s["transformers"]:
-        print()
-        print(f"| greedy, {s['new_tokens']} new tokens per prompt | tok/s (decode only) | tok/s (incl. prefill) |")
-        print("|---|---|---|")
-    for r in s["generate"]:
-        print(f"| specdec.generate B={r['batch']} | {r['decode_tok_s']:.1f} | {r['end_to_end_tok_s']:.1f} |")
-    for r in s["transformers"]:
-        print(f"| transformers B=1, {r['threads']} torch thread(s) | - | {r['end_to_end_tok_s']:.1f} |")
+        rows = [[f"specdec.generate B={r['batch']}", f"{r['decode_tok_s']:.1f}", f"{r['end_to_end_tok_s']:.1f}"]
+                for r in s["generate"]]
+        rows += [[f"transformers B=1, {r['threads']} torch thread(s)", "-", f"{r['end_to_end_tok_s']:.1f}"]
+                 for r in s["transformers"]]
+        report.table(f"Greedy decoding, {s['new_tokens']} new tokens per prompt",
+                     ["method", "tok/s (decode only)", "tok/s (incl. prefill)"], rows)
     loops = [r for r in s.get("decode_loop_hlo", []) if "error" not in r]
     if loops:
-        print()
-        print("| generate's compiled decode loop | cache-sized copies per step | once per call |")
-        print("|---|---|---|")
-        for r in loops:
-            print(f"| B={r['batch']} | {r['per_step']} | {r['per_call']} |")
+        report.table("generate's compiled decode loop", ["B", "cache-sized copies per step", "once per call"],
+                     [[r["batch"], r["per_step"], r["per_call"]] for r in loops])
     if s["gpu"]:
-        print()
-        print("| GPU step | B | median ms | floor ms (weights / peak HBM) | x floor |")
-        print("|---|---|---|---|---|")
-        for r in s["gpu"]:
-            print(f"| {r['device']} | {r['batch']} | {r['median_ms']:.3f} | {r['floor_ms']:.3f} | "
-                  f"{r['ratio_to_floor']:.2f} |")
+        report.table("GPU step", ["device", "B", "median ms", "floor ms (weights / peak HBM)", "x floor"],
+                     [[r["device"], r["batch"], f"{r['median_ms']:.3f}", f"{r['floor_ms']:.3f}",
+                       f"{r['ratio_to_floor']:.2f}"] for r in s["gpu"]])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """specdec against its peers on the same weights and the same chat-templated prompts, in ONE run.
 
-Greedy, batch 1, each prompt decoded by:
-  * specdec AR (`specdec.generate.generate`) and specdec speculative decoding (--drafters, as in
-    bench_speculative.py: `name:k=...,scheduler=adaptive`), compile excluded by a warm-up;
+    python -m benchmarks.bench_peers CONFIG.yaml [CONFIG.yaml ...] [section.key=value ...] [--repeats R]
+
+Greedy, batch 1, the prompts of the configs' `data:` section (loaded as `specdec run` loads them), each decoded by:
+  * specdec AR (`specdec.generate.generate`) and specdec speculative decoding, one method per config (as in
+    bench_speculative.py: the configs must agree on model, data, generation and sampling), compile excluded by a
+    warm-up;
   * transformers (same GGUF, float32): plain greedy `generate` and prompt lookup (`prompt_lookup_num_tokens`);
   * llama.cpp through llama-cpp-python (optional: `pip install llama-cpp-python`, builds from source in a few
     minutes), on a float32 GGUF written from the model's own GGUF with the `gguf` package (every tensor
@@ -11,20 +14,22 @@ Greedy, batch 1, each prompt decoded by:
 
 Peers time their whole call, prefill included, so every tok/s here is new tokens / (prefill + decode); the
 ratios printed at the end (specdec / peer) are from this one run on this machine. The methods are interleaved
-prompt by prompt (every method decodes prompt 1, then every method prompt 2, ...), so each pass compares them
-over the same minute of the VM; with --repeats R there are R such passes, and each figure is the median over
+prompt by prompt (every method decodes prompt 1, then every method prompt 2, ...; in the reverse order on odd
+passes), so each pass compares them over the same minute of the machine; with --repeats R there are R such passes, and each figure is the median over
 the passes (of tok/s, and of each per-pass ratio; with R >= 5 the specdec / peer ratios also print a
 distribution-free 90% interval of that median, `benchmarks.common.median_interval`). Greedy outputs are compared
 token for token with specdec's AR (transformers and llama.cpp accumulate float32 differently, so a long
 output may drift at a near-tie; the count of identical prompts is printed).
 
-    python -m benchmarks.bench_peers [--prompts quickstart] [--max-new-tokens 128] [--repeats 3] [--json OUT]
+    python -m benchmarks.bench_peers configs/benchmarks/ngram.yaml configs/benchmarks/suffix.yaml --repeats 3
+    python -m benchmarks.bench_peers configs/benchmarks/ngram.yaml data.datasets.0.limit=1 \
+        generation.max_new_tokens=8 --skip-llama-cpp                 # a smoke test
+Writes runs/benchmarks/bench_peers/results.{json,md} (`--out`).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -32,15 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (DrafterSpec, command_line, hf_model, interval_text, median_interval, run_ar,
-                               run_hf_prompt_lookup, run_spec, write_json)
-from drafters import create_drafter
+from benchmarks.common import (Report, add_output_arg, build_methods, decode_ar, decode_method, hf_model,
+                               interval_text, load_config_prompts, load_method_configs, median_interval,
+                               run_hf_prompt_lookup, split_args)
+from experiments.build import build_target
 from specdec.models import registry
-from specdec.prompts import builtin
-from specdec.target import load_target
-
-DEFAULT_DRAFTERS = ("ngram:k=6,max_ngram=3,scheduler=adaptive", "ngram:k=3,max_ngram=3",
-                    "suffix:k=8,scheduler=adaptive")
 
 
 def write_f32_gguf(src: Path, dst: Path) -> Path:
@@ -117,50 +118,57 @@ def run_hf_plain(gguf_path: str, prompts, max_new: int, eos):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=registry.DEFAULT_MODEL, help="registry name or .gguf path")
-    ap.add_argument("--prompts", default="quickstart", help="built-in prompt set")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--drafters", nargs="+", default=list(DEFAULT_DRAFTERS))
+    ap.add_argument("items", nargs="+", metavar="CONFIG.yaml | section.key=value",
+                    help="experiment configs (one specdec method each; a sweep file: one per run) and overrides "
+                         "applied to every one; their model, data and generation sections are the run's")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="prompt-lookup draft length of the peers")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=1, help="passes over every method, interleaved (medians)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
-    ap.add_argument("--json", metavar="OUT")
+    add_output_arg(ap, __file__)
     args = ap.parse_args(argv)
-
-    load_at_start = os.getloadavg()
-    gguf_path = registry.resolve(args.model)
+    paths, overrides = split_args(args.items)
+    try:
+        method_configs = load_method_configs(paths, overrides)
+    except ValueError as e:
+        ap.error(str(e))
+    cfg = method_configs[0][1]
+    if cfg.generation.batch_size != 1 or cfg.sampling.temperature != 0:
+        ap.error("the peers decode greedily at batch 1: set generation.batch_size=1 and sampling.temperature=0")
+    gguf_path = registry.resolve(cfg.model.name)
     if gguf_path.suffix != ".gguf":
-        raise SystemExit(f"error: the peers need a .gguf model, got {gguf_path}")
-    target = load_target(args.model)
+        ap.error(f"the peers need a .gguf model, got {gguf_path}")
+
+    report = Report(__file__, argv, args.out)
+    target = build_target(cfg.model, cfg.mesh)
     eos = tuple(target.eos_token_ids)
-    texts = builtin(args.prompts)
-    prompts = [target.tokenizer.encode_chat(text) for _, text in texts]
-    print(f"# {target.cfg.name}; {len(prompts)} prompts ({args.prompts}), greedy, batch 1, {args.max_new_tokens} "
-          f"new tokens; {os.cpu_count()} CPUs, load avg {load_at_start[0]:.2f}", flush=True)
+    max_new = cfg.generation.max_new_tokens
+    loaded = load_config_prompts(cfg, target)
+    items = loaded.items
+    prompts = [loaded.ids[p.key] for p in items]
+    print(f"# {target.cfg.name}; {len(prompts)} prompts ({', '.join(loaded.datasets)}), greedy, batch 1, {max_new} "
+          f"new tokens; {os.cpu_count()} CPUs, load avg {report.meta['load_avg_start']}", flush=True)
     # name -> run(i): (output of prompt i, new tokens, seconds, prefill included), compile excluded
     methods = {}
 
     def specdec_ar(i):
-        tokens, m = run_ar(target, [[prompts[i]]], args.max_new_tokens)
+        tokens, m = decode_ar(cfg, target, [prompts[i]], cfg.sampling.seed + i)
         return tokens[0], m.new_tokens, m.decode_seconds + m.prefill_seconds
 
     methods["specdec AR"] = specdec_ar
-    for text in args.drafters:
-        spec = DrafterSpec.parse(text)
-        drafter = create_drafter(spec.name, target, spec.k, **dict(spec.params))
-
-        def specdec_spec(i, spec=spec, drafter=drafter):
-            # suffix decoding's global corpus starts empty each pass and grows over its prompts, as in one call
-            tokens, m = run_spec(target, drafter, spec.policy_for(drafter), [[prompts[i]]], args.max_new_tokens,
-                                 spec.buckets, spec.make_scheduler(), clear=i == 0)
+    for method in build_methods(method_configs, target):
+        def specdec_spec(i, method=method):
+            # suffix decoding's global corpus starts empty at each dataset of each pass and grows over its prompts
+            if i == 0 or items[i].dataset != items[i - 1].dataset:
+                method.reset()
+            tokens, m = decode_method(method, target, [prompts[i]], cfg.sampling.seed + i)
             return tokens[0], m.new_tokens, m.decode_seconds + m.prefill_seconds
 
-        methods[f"specdec {spec.label}"] = specdec_spec
+        methods[f"specdec {method.name}"] = specdec_spec
     if not args.skip_transformers:
         def hf(i, run, *extra):
-            out, r = run(str(gguf_path), [prompts[i]], args.max_new_tokens, eos, *extra)
+            out, r = run(str(gguf_path), [prompts[i]], max_new, eos, *extra)
             return out[0], r["new_tokens"], r["seconds"]
 
         methods["transformers greedy"] = lambda i: hf(i, run_hf_plain)
@@ -174,7 +182,7 @@ def main(argv=None) -> int:
         else:
             f32 = write_f32_gguf(gguf_path, gguf_path.with_name(gguf_path.stem + ".f32.gguf"))
             for lookup in (0, args.lookup_tokens):
-                decode = llama_cpp_decoder(f32, args.max_new_tokens, eos, args.threads, lookup)
+                decode = llama_cpp_decoder(f32, max_new, eos, args.threads, lookup)
 
                 def llama(i, decode=decode):
                     t0 = time.perf_counter()
@@ -183,17 +191,16 @@ def main(argv=None) -> int:
 
                 methods[f"llama.cpp f32 prompt lookup ({lookup})" if lookup else "llama.cpp f32 greedy"] = llama
 
-    # This VM's speed drifts by 10-30% over minutes: methods run one after the other over all prompts compare
-    # different machines (session 24: one pass ran specdec 22% slow and llama.cpp 12% fast). So every method
-    # decodes a prompt before any moves to the next, and the passes repeat that; the tables report the median
-    # over passes of each method's tok/s and of each per-pass ratio.
+    # A shared machine's speed drifts by 10-30% over minutes: methods run one after the other over all prompts
+    # compare different machines. So every method decodes a prompt before any moves to the next, and the passes
+    # repeat that; the tables report the median over passes of each method's tok/s and of each per-pass ratio.
     passes = {name: [] for name in methods}
     ref = None
     for p in range(args.repeats):
         outputs = {name: [] for name in methods}
         totals = {name: [0, 0.0] for name in methods}  # new tokens, seconds
         for i in range(len(prompts)):
-            for name, run in methods.items():
+            for name, run in (methods.items() if p % 2 == 0 else reversed(methods.items())):
                 out, new_tokens, seconds = run(i)
                 outputs[name].append(out)
                 totals[name][0] += new_tokens
@@ -206,33 +213,32 @@ def main(argv=None) -> int:
                                  "same": same})
             print(f"  pass {p + 1}/{args.repeats}  {name:45s} {new_tokens / seconds:6.1f} tok/s (incl. prefill)  "
                   f"same as specdec AR {same}/{len(ref)}", flush=True)
+    report.finish()
     rows = []
     for name, runs in passes.items():
         ratio = np.median([r["tok_s"] / a["tok_s"] for r, a in zip(runs, passes["specdec AR"])])
         rows.append({"method": name, "tok_s": float(np.median([r["tok_s"] for r in runs])),
                      "x_specdec_ar": float(ratio), "passes": runs,
                      "same_as_specdec_ar": f"{min(r['same'] for r in runs)}/{len(ref)}"})
-
-    print(f"\n| method | tok/s (incl. prefill; median of {args.repeats}) | x specdec AR (median per pass) | "
-          "same as specdec AR |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['method']} | {r['tok_s']:.1f} | {r['x_specdec_ar']:.2f}x | {r['same_as_specdec_ar']} |")
+    report.table("specdec and its peers", ["method", f"tok/s incl. prefill (median of {args.repeats})",
+                                           "x specdec AR (median per pass)", "same as specdec AR"],
+                 [[r["method"], f"{r['tok_s']:.1f}", f"{r['x_specdec_ar']:.2f}x", r["same_as_specdec_ar"]]
+                  for r in rows],
+                 note=f"greedy, batch 1, {max_new} new tokens, {len(prompts)} prompts; peers time their whole call")
     peers = [r for r in rows if not r["method"].startswith("specdec")]
     ours = [r for r in rows if r["method"].startswith("specdec")]
+    ratios = []
     if peers:
-        print("\nspecdec / peer (median over passes of the per-pass tok/s ratios, this run):")
         best = max(ours, key=lambda r: r["tok_s"])
         for peer in peers:
             def ratio(mine):
                 per_pass = [m["tok_s"] / q["tok_s"] for m, q in zip(mine["passes"], peer["passes"])]
                 # the median, with its 90% distribution-free interval from 5 passes on
                 return f"{np.median(per_pass):.2f}" + interval_text(median_interval(per_pass))
-            print(f"  specdec AR / {peer['method']}: {ratio(ours[0])}   best specdec ({best['method']}) / "
-                  f"{peer['method']}: {ratio(best)}")
-    if args.json:
-        write_json(args.json, {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                               "command": command_line(__file__, argv),
-                               "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg(), "rows": rows})
+            ratios.append([peer["method"], ratio(ours[0]), f"{ratio(best)} ({best['method']})"])
+        report.table("specdec / peer", ["peer", "specdec AR / peer", "best specdec / peer"], ratios,
+                     note="median over passes of the per-pass tok/s ratios (90% interval from 5 passes on)")
+    report.write({"rows": rows})
     return 0
 
 

@@ -10,20 +10,19 @@ stays in cache), as GB/s of weights streamed:
     transpose into the product (`transformer.dense_t`'s form for at most `SKINNY_ROWS` rows);
   * `dense_t`: what the reference backend runs.
 
-    python -m benchmarks.bench_products [--rows 1 2 4 8 16 64] [--megabytes 100] [--json OUT]
+    python -m benchmarks.bench_products [--rows 1 2 4 8 16 64] [--megabytes 100] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import command_line, median_seconds, write_json
+from benchmarks.common import Report, add_output_arg, median_seconds
 from specdec.models import transformer
 
 SHAPES = {"q|k|v": (576, 960), "o": (576, 576), "gate|up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
@@ -52,11 +51,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     ap.add_argument("--megabytes", type=float, default=100.0, help="weights streamed per timed chain")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--json", metavar="OUT")
+    add_output_arg(ap, __file__)
     args = ap.parse_args(argv)
 
-    summary = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command_line(__file__, argv),
-               "load_avg_at_start": os.getloadavg(), "skinny_rows": transformer.SKINNY_ROWS, "rows": []}
+    report = Report(__file__, argv, args.out)
+    summary = {"skinny_rows": transformer.SKINNY_ROWS, "rows": []}
     print(f"# jax {jax.__version__}, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f}; GB/s of weights "
           f"(dense_t uses W @ x^T up to {transformer.SKINNY_ROWS} rows)", flush=True)
     rng = np.random.default_rng(0)
@@ -76,8 +75,13 @@ def main(argv=None) -> dict:
             summary["rows"].append(row)
             print(f"| {name} {din}x{dout} | {rows} | "
                   + " | ".join(f"{row[k]['gb_s']:.1f}" for k in forms) + " |", flush=True)
-    summary["load_avg_at_end"] = os.getloadavg()
-    write_json(args.json, summary)
+    report.finish()
+    report.table("GB/s of weights streamed, by formulation", ["weight", "rows", *forms],
+                 [[f"{r['weight']} {r['shape_in_out'][0]}x{r['shape_in_out'][1]}", r["rows"],
+                   *(f"{r[k]['gb_s']:.1f}" for k in forms)] for r in summary["rows"]],
+                 note=f"median of {args.repeats} chains of ~{args.megabytes:g} MB; dense_t uses W @ x^T up to "
+                      f"{transformer.SKINNY_ROWS} rows", echo=False)
+    report.write(summary)
     return summary
 
 

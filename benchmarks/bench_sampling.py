@@ -7,6 +7,7 @@ sums of the same rule, so a token whose mass-before lies within float32 rounding
 either side in either of them (tests/test_sampling.py compares with a float64 reference).
 
     python -m benchmarks.bench_sampling [--batches 1 8 64] [--top-p 0.95]
+Writes runs/benchmarks/bench_sampling/results.{json,md} (`--out`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import median_seconds
+from benchmarks.common import Report, add_output_arg, median_seconds
 from specdec.sampling import top_p_threshold
 
 
@@ -29,12 +30,15 @@ def sorted_threshold(logits, top_p):
     return jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--vocab", type=int, default=49152)
+    add_output_arg(ap, __file__)
     args = ap.parse_args(argv)
+    report = Report(__file__, argv, args.out)
+    rows = []
     print(f"vocab {args.vocab}, top_p {args.top_p}, load {os.getloadavg()[0]:.2f}", flush=True)
     full = jax.jit(lambda x: sorted_threshold(x, args.top_p))
     fast = jax.jit(lambda x: top_p_threshold(x, args.top_p))
@@ -45,6 +49,16 @@ def main(argv=None) -> None:
             t_full, t_fast = median_seconds(lambda: full(x), 5), median_seconds(lambda: fast(x), 5)
             print(f"{kind:20s} B={b:3d}: full sort {t_full * 1e3:8.2f} ms, top_p_threshold {t_fast * 1e3:7.2f} ms "
                   f"(x{t_full / t_fast:.0f}), tokens kept differently {differ}, load {os.getloadavg()[0]:.2f}", flush=True)
+            rows.append({"logits": kind, "batch": b, "full_sort_ms": t_full * 1e3, "top_p_threshold_ms": t_fast * 1e3,
+                         "kept_differently": differ})
+    report.finish()
+    report.table("Top-p threshold cost", ["logits", "B", "full sort ms", "top_p_threshold ms", "x faster",
+                                          "tokens kept differently"],
+                 [[r["logits"], r["batch"], f"{r['full_sort_ms']:.2f}", f"{r['top_p_threshold_ms']:.2f}",
+                   f"{r['full_sort_ms'] / r['top_p_threshold_ms']:.0f}", r["kept_differently"]] for r in rows],
+                 note=f"vocabulary {args.vocab}, top_p {args.top_p}, median of 5 jitted calls", echo=False)
+    report.write({"rows": rows})
+    return rows
 
 
 if __name__ == "__main__":

@@ -30,14 +30,16 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8": 1, "u8": 1, "s64": 8, "f64": 8}
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     p.add_argument("--meshes", default="1x8,2x4,4x2,8x1", help="data x model meshes, comma separated")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--draft", type=int, default=4, help="draft tokens per verify step (T = draft + 1)")
-    return p.parse_args()
+    p.add_argument("--out", default=None, help="where results.json and results.md go "
+                                               "(default runs/benchmarks/bench_sharding)")
+    return p.parse_args(argv)
 
 
 def hlo_collectives(hlo: str) -> list[tuple[str, int, str]]:
@@ -59,8 +61,8 @@ def hlo_collectives(hlo: str) -> list[tuple[str, int, str]]:
     return found
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv=None) -> int:
+    args = parse_args(argv)
     flag = f"--xla_force_host_platform_device_count={args.devices}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
@@ -82,6 +84,9 @@ def main() -> int:
 
     from types import SimpleNamespace
 
+    from benchmarks.common import DEFAULT_OUT, Report  # after XLA_FLAGS: the report reads the backend
+
+    report = Report(__file__, argv, args.out or DEFAULT_OUT / "bench_sharding")
     cfg = tiny_config(num_layers=args.layers, num_heads=16, num_kv_heads=8, head_dim=16, hidden_size=256,
                       intermediate_size=512, vocab_size=1024)
     plain = random_target(cfg, seed=0, backend="reference")
@@ -103,6 +108,7 @@ def main() -> int:
           "reduce/argmax = the sampler or policy over vocabulary-sharded logits).\n")
     header = f"{'mesh':>4} {'step':>6} " + " ".join(f"{c:>18}" for c in COLLECTIVES)
     print(header + "   expected all-reduce (Megatron TP)   by op")
+    table = []
     for spec_text in args.meshes.split(","):
         data, model = (int(x) for x in spec_text.lower().split("x"))
         target = shard_target(plain, make_mesh(SimpleNamespace(data=data, model=model)))
@@ -132,13 +138,24 @@ def main() -> int:
             rows = b // data if b % data == 0 else b  # rows per device (a batch that does not divide is replicated)
             expected = (f"{2 * L + 1:>5d} ({(2 * L + 1) * rows * t * h * 4 / 1024:7.1f})" if model > 1
                         else f"{'0':>18}")
-            print(f"{spec_text:>4} {name:>6} {' '.join(cells)}   {expected:>33}   "
-                  + ", ".join(f"{n} {op}" for op, n in sorted(by_op.items())))
-    cache_write_table(args, cfg, make_mesh, SimpleNamespace)
+            ops = ", ".join(f"{n} {op}" for op, n in sorted(by_op.items()))
+            print(f"{spec_text:>4} {name:>6} {' '.join(cells)}   {expected:>33}   {ops}")
+            table.append([spec_text, name, *(re.sub(r"\(\s+", "(", c.strip()) for c in (*cells, expected)), ops])
+    writes = cache_write_table(args, cfg, make_mesh, SimpleNamespace)
+    report.finish()
+    report.table("Collectives per step of the sharded target", ["mesh", "step", *COLLECTIVES,
+                                                                "expected all-reduce (Megatron TP)", "by op"], table,
+                 note=f"count (KiB per device); {L} layers, hidden {h}, batch {b}, verify T={k + 1}; "
+                      f"{jax.device_count()} simulated devices", echo=False)
+    if writes:
+        report.table(f"KV-cache write alone (one layer, B={b}, T={k + 1})",
+                     ["mesh", "transformer.write_rows", "scatter batched over rows and KV heads", "values"], writes,
+                     echo=False)
+    report.write({"steps": table, "cache_writes": writes})
     return 0
 
 
-def cache_write_table(args, cfg, make_mesh, namespace) -> None:
+def cache_write_table(args, cfg, make_mesh, namespace) -> list[list[str]]:
     """The KV-cache write alone, on each mesh: `transformer.write_rows` (one scatter indexed by explicit
     (row, KV head, slot) triples) against the same write as a scatter batched over rows and KV heads (vmap), whose
     batch dimensions XLA's partitioner keeps local. Same values; only the collectives differ."""
@@ -160,12 +177,13 @@ def cache_write_table(args, cfg, make_mesh, namespace) -> None:
     leaf = jax.eval_shape(lambda: transformer.init_cache(cfg, b, 64)).k[0]
     if sharding.kv_head_axis(leaf.ndim) != 1:
         print("\n(cache-write comparison skipped: it assumes the [B, KVH, S, HD] cache layout)")
-        return
+        return []
     print(f"\nKV-cache write alone (one layer, B={b}, T={t}): collectives in the compiled write")
     print(f"{'mesh':>4} {'transformer.write_rows':>40} {'scatter batched over rows and KV heads':>40}")
     rng = np.random.default_rng(0)
     new_np = rng.standard_normal((b, t, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
     lengths = jnp.asarray(rng.integers(0, 32, b), jnp.int32)
+    rows = []
     for spec_text in args.meshes.split(","):
         data, model = (int(x) for x in spec_text.lower().split("x"))
         mesh = make_mesh(namespace(data=data, model=model))
@@ -184,6 +202,8 @@ def cache_write_table(args, cfg, make_mesh, namespace) -> None:
             values.append(np.asarray(compiled(cache, new, lengths)))
         same = "same values" if np.array_equal(*values) else "VALUES DIFFER"
         print(f"{spec_text:>4} {cells[0]:>40} {cells[1]:>40}   {same}")
+        rows.append([spec_text, cells[0], cells[1], same])
+    return rows
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ on random tokens (the cost does not depend on their values) the jitted feature p
 padded length. Tokens/s is batch x length / step seconds: the quiet-machine speed to size a run by (the loop's
 own `tokens_per_second` counts wall time from the loop's start, pauses included).
 
-    python -m benchmarks.bench_train_step configs/train/dspark_mix.yaml [--lengths 192 256] [k=v ...]
+    python -m benchmarks.bench_train_step configs/train/dspark_mix.yaml [--lengths 192 256] [section.key=value ...]
+Writes runs/benchmarks/bench_train_step/results.{json,md} (`--out`).
 """
 
 from __future__ import annotations
@@ -19,19 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 
 import drafters
-from benchmarks.common import median_seconds
+from benchmarks.common import Report, add_output_arg, median_seconds
 from experiments.build import build_target
 from specdec.config import load_config
 from specdec.train.loop import Hyper, StepSpec, TrainState, _features, train_step
 from specdec.train.tasks import make_task
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--lengths", type=int, nargs="+", default=[192, 256])
+    add_output_arg(ap, __file__)
     args = ap.parse_args(argv)
+    report = Report(__file__, argv, args.out)
     cfg = load_config(args.config, args.overrides)
     target = build_target(cfg.model, cfg.mesh)
     drafters.available()  # drafter modules register their training tasks on import
@@ -46,6 +49,7 @@ def main(argv=None) -> None:
     features = jax.jit(_features, static_argnums=(0, 3))
     print(f"{task.name}, batch {batch_size}, features {cfg.train.features} (timed online), "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
+    rows = []
     for length in args.lengths:
         rng = np.random.default_rng(0)
         prompt = min(40, length // 4)  # a prompt without loss, the rest response
@@ -61,6 +65,16 @@ def main(argv=None) -> None:
         step_s = median_seconds(step)
         print(f"length {length}: step {step_s:.2f} s ({batch_size * length / step_s:.0f} tokens/s), target features "
               f"{feat_s:.2f} s ({feat_s / step_s:.0%} of the step), load {os.getloadavg()[0]:.2f}", flush=True)
+        rows.append({"length": length, "batch": batch_size, "step_seconds": step_s, "feature_seconds": feat_s,
+                     "tokens_per_second": batch_size * length / step_s})
+    report.finish()
+    report.table(f"Training step: {task.name} ({args.config})",
+                 ["padded length", "batch", "step s", "tokens/s", "target features s", "features share"],
+                 [[r["length"], r["batch"], f"{r['step_seconds']:.2f}", f"{r['tokens_per_second']:.0f}",
+                   f"{r['feature_seconds']:.2f}", f"{r['feature_seconds'] / r['step_seconds']:.0%}"] for r in rows],
+                 note="median of 3 calls after a warm-up, random tokens, online target features")
+    report.write({"task": task.name, "rows": rows})
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,174 +1,438 @@
-"""What several benchmark scripts share: the evaluation prompts, drafter specs, the AR / speculative / transformers
-runs they compare, a median timer, and how a script records itself and writes its JSON.
+"""What the benchmark scripts share: one result schema, the compared methods built from experiment configs, the
+AR / speculative / transformers runs they time, and the statistics their tables print.
 
 How the scripts are run: from the repo root, as modules,
 
-    python -m benchmarks.bench_speculative --n 8
+    python -m benchmarks.bench_speculative configs/benchmarks/ngram.yaml configs/benchmarks/suffix.yaml
 
 `benchmarks/` is a package for that (pyproject installs only specdec, drafters and experiments; it does not install
 this one). `-m` puts the current directory, the repo root, first on sys.path, so a script imports the specdec of
 the checkout it is run in (not another pip-installed copy) and these helpers as `benchmarks.common`, with no
 sys.path edits. (`python benchmarks/bench_x.py` would put only benchmarks/ on sys.path: no `benchmarks` package.)
+
+The result schema (`Report`): every benchmark writes `<out>/results.json` and `<out>/results.md` (default `<out>`:
+runs/benchmarks/<script>/), both opening with where the figures come from: the machine (CPU model, cores), the
+commit (`+dirty` with uncommitted changes to tracked files), the load average at the start and at the end, the
+date and the exact command line. Timings from another machine, another load or another commit are not comparable.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 import math
 import os
+import platform
+import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from specdec.adaptive import AdaptiveWidth
-from specdec.engine import speculative_generate
-from specdec.generate import ar_metrics, generate
-from specdec.metrics import merge
-from specdec.prompts import builtin
-from specdec.sampling import GREEDY
-from specdec.target import Target
-
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = Path(os.environ.get("SPECDEC_DATA", REPO.parent / "shared" / "data"))
-SUBSETS = ("mt_bench", "gsm8k", "humaneval")
-# The quickstart's built-in prompts, one subset per kind (chat, code, math, rewrite, summarise): `quickstart-rewrite`.
-QUICKSTART_SUBSETS = tuple(f"quickstart-{kind}" for kind in dict.fromkeys(k for k, _ in builtin("quickstart")))
-DEFAULT_POLICY = {"chain": "greedy_chain", "tree": "greedy_tree"}
-HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in a Python "
-                         "code block.\n\n```python\n{prompt}```")
+DEFAULT_OUT = Path("runs") / "benchmarks"
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Prompts
+# The result schema: provenance, JSON and Markdown
 # ----------------------------------------------------------------------------------------------------------
 
-def _jsonl(path: Path, n: int) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-            if len(rows) == n:
-                break
-    return rows
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def load_prompts(subset: str, n: int, data: Path) -> list[str]:
-    """The first n user messages of a subset (MT-Bench: first turn only; `quickstart-<kind>`: the built-in prompts
-    of that kind, which need no data folder)."""
-    if subset in QUICKSTART_SUBSETS:
-        kind = subset.removeprefix("quickstart-")
-        return [text for k, text in builtin("quickstart") if k == kind][:n]
-    if subset == "mt_bench":
-        return [r["turns"][0] for r in _jsonl(data / "mt_bench" / "question.jsonl", n)]
-    if subset == "gsm8k":
-        return [r["question"] for r in _jsonl(data / "gsm8k" / "test.jsonl", n)]
-    if subset == "humaneval":
-        return [HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"])
-                for r in _jsonl(data / "humaneval" / "HumanEval.jsonl", n)]
-    raise ValueError(f"unknown subset {subset!r}; choose from {', '.join(SUBSETS + QUICKSTART_SUBSETS)}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Drafter specs
-# ----------------------------------------------------------------------------------------------------------
-
-def _value(text: str):
-    for cast in (int, float):
+def git_commit() -> str:
+    """`git rev-parse --short HEAD` of this checkout, `+dirty` when tracked files have uncommitted changes."""
+    def git(*args):
         try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+            out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit is None:
+        return "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-@dataclasses.dataclass(frozen=True)
-class DrafterSpec:
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command that reproduces this run of `script` (its `__file__`); `argv`: the arguments `main` was
+    given, None = the command line's."""
+    args = list(argv) if argv is not None else sys.argv[1:]
+    return shlex.join(["python", "-m", f"benchmarks.{Path(script).stem}", *args])
+
+
+def provenance(script: str, argv: Sequence[str] | None) -> dict:
+    """Where a benchmark's figures come from, taken at its start (`Report.write` adds the end's load)."""
+    return {"benchmark": Path(script).stem, "command": command_line(script, argv),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+                        "python": platform.python_version(), "jax": jax.__version__,
+                        "backend": jax.default_backend()},
+            "load_avg_start": load_average()}
+
+
+def machine_text(meta: dict) -> str:
+    m = meta["machine"]
+    return f"{m['cpu']} ({m['cores']} cores, {m['backend']})"
+
+
+def load_text(meta: dict) -> str:
+    """`0.52 -> 1.10`: the 1-minute load average at the start and at the end."""
+    def one(load):
+        return "?" if not load else f"{load[0]:.2f}"
+    return f"{one(meta.get('load_avg_start'))} -> {one(meta.get('load_avg_end'))}"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(value):
+        return str(value).replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def add_output_arg(ap, script: str) -> None:
+    """`--out DIR`, where `Report.write` puts results.json and results.md (default runs/benchmarks/<script>)."""
+    name = Path(script).stem
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT / name,
+                    help=f"where results.json and results.md go (default {DEFAULT_OUT / name})")
+
+
+class Report:
+    """One benchmark run's results in the shared schema: `results.json` = {"meta": provenance, "tables": [{title,
+    header, rows, note} or {title, markdown}], "results": the script's own data} and `results.md` = the provenance
+    lines, then each table.
+
+        report = Report(__file__, argv, args.out)     # at the start: the load average before any work
+        report.table("Decode step", ["batch", "ms"], [[1, 12.3]], note="median of 300 steps")
+        report.write({"rows": rows})                   # at the end: the load average after it
+    """
+
+    def __init__(self, script: str, argv: Sequence[str] | None, out: str | Path | None, title: str | None = None):
+        self.meta = provenance(script, argv)
+        self.out = Path(out) if out is not None else None
+        self.title = title or self.meta["benchmark"]
+        self.tables: list[dict] = []
+        self._t0 = time.time()
+
+    def table(self, title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], note: str = "",
+              echo: bool = True) -> str:
+        """Adds a table (also printed unless `echo=False`); returns its Markdown."""
+        rows = [list(r) for r in rows]
+        self.tables.append({"title": title, "header": list(header), "rows": rows, "note": note})
+        text = markdown_table(header, rows)
+        if echo:
+            print(f"\n{title}" + (f" ({note})" if note else "") + f"\n\n{text}", flush=True)
+        return text
+
+    def section(self, title: str, markdown: str, echo: bool = True) -> None:
+        """Adds Markdown made elsewhere (e.g. a library's report) as a section of its own."""
+        self.tables.append({"title": title, "markdown": markdown})
+        if echo:
+            print(f"\n{title}\n\n{markdown}", flush=True)
+
+    def header_lines(self) -> list[str]:
+        m = self.meta
+        return [f"- machine: {machine_text(m)}; {m['machine']['platform']}, jax {m['machine']['jax']}",
+                f"- commit: {m['commit']}", f"- load average (1 min) at start -> end: {load_text(m)}",
+                f"- date: {m['date']}", f"- command: `{m['command']}`"]
+
+    def markdown(self) -> str:
+        parts = [f"# {self.title}", "\n".join(self.header_lines())]
+        for t in self.tables:
+            if "markdown" in t:
+                parts.append(f"## {t['title']}\n\n{t['markdown'].strip()}")
+            else:
+                parts.append(f"## {t['title']}" + (f"\n\n{t['note']}" if t["note"] else "")
+                             + "\n\n" + markdown_table(t["header"], t["rows"]))
+        return "\n\n".join(parts) + "\n"
+
+    def finish(self) -> None:
+        """Records the end of the measurement (load average, wall seconds); `write` calls it if not done."""
+        if "load_avg_end" not in self.meta:
+            self.meta["load_avg_end"] = load_average()
+            self.meta["wall_seconds"] = round(time.time() - self._t0, 1)
+
+    def write(self, results: Any = None) -> tuple[Path, Path] | None:
+        """Writes results.json and results.md under `out` (made if needed); nothing when `out` is None."""
+        self.finish()
+        if self.out is None:
+            return None
+        self.out.mkdir(parents=True, exist_ok=True)
+        paths = self.out / "results.json", self.out / "results.md"
+        data = _finite({"meta": self.meta, "tables": self.tables, "results": results})
+        paths[0].write_text(json.dumps(data, indent=2, allow_nan=False, default=_json_default) + "\n")
+        paths[1].write_text(self.markdown())
+        print(f"wrote {paths[0]} and {paths[1]}", flush=True)
+        return paths
+
+
+def _finite(value):
+    """`value` with every NaN / infinite float as None (JSON has neither)."""
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Timing statistics
+# ----------------------------------------------------------------------------------------------------------
+
+def median_seconds(fn, repeats: int = 3) -> float:
+    """Median wall seconds of `fn()` (its result blocked on) over `repeats` calls, after one untimed warm-up
+    call (compilation)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def median_interval(values, level: float = 0.9) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of `values` (per-pass ratios): the order statistics
+    (x_(k), x_(n+1-k)) of the sign test, k the largest with P(Bin(n, 1/2) < k) <= (1 - level) / 2, so the
+    interval covers the true median with probability >= `level` whatever the passes' distribution. A shared
+    machine's speed drifts by 10-30% between passes, so a median of a few passes alone cannot tell a 3% loss from
+    noise. None when n is too small for that level (n < 5 at 0.9)."""
+    x = sorted(float(v) for v in values)
+    n = len(x)
+    tail = (1.0 - level) / 2.0
+    k, below = 0, 0.0  # below = P(Bin(n, 1/2) < k + 1)
+    while k < n // 2:
+        below += math.comb(n, k) / 2 ** n
+        if below > tail:
+            break
+        k += 1
+    return None if k == 0 else (x[k - 1], x[n - k])
+
+
+def interval_text(interval: tuple[float, float] | None) -> str:
+    """` [lo-hi]` for a `median_interval`, or "" when there is none (too few passes)."""
+    return f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Compared methods from experiment configs
+# ----------------------------------------------------------------------------------------------------------
+
+# The sections every compared config must agree on: the same target decoding the same prompts the same way, so
+# that one AR baseline serves them all. drafter / verify / scheduler are what a method is.
+SHARED_SECTIONS = ("model", "mesh", "data", "generation", "sampling")
+
+
+def split_args(items: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Command-line positionals -> (config paths, `section.key=value` overrides): an item is an override when it
+    has a '=' and is not an existing file."""
+    paths, overrides = [], []
+    for item in items:
+        (overrides if "=" in item and not Path(item).is_file() else paths).append(item)
+    return paths, overrides
+
+
+def load_method_configs(paths: Sequence[str], overrides: Sequence[str] = ()) -> list[tuple[str, Any]]:
+    """(name, ExperimentConfig) per compared method: a config file is one method named after the file's stem, a
+    sweep file one per run (named as its runs); `overrides` apply to every one. Raises ValueError when two
+    methods share a name, or when they differ in a shared section (`check_comparable`)."""
+    import yaml
+
+    from specdec.config import expand_sweep, is_sweep, load_config
+
+    methods = []
+    for path in paths:
+        with open(path) as f:
+            top = yaml.safe_load(f)
+        if is_sweep(top):
+            methods += expand_sweep(path, overrides)
+        else:
+            methods.append((Path(path).stem, load_config(path, overrides)))
+    if not methods:
+        raise ValueError("name at least one config (configs/benchmarks/*.yaml) to compare with AR")
+    names = [n for n, _ in methods]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"two compared methods are both named {', '.join(dupes)}: rename a config file")
+    check_comparable(methods)
+    return methods
+
+
+def _flatten(value, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out or {prefix: {}}
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value):
+        out = {}
+        for i, item in enumerate(value):
+            out.update(_flatten(item, f"{prefix}.{i}"))
+        return out or {prefix: []}
+    return {prefix: value}
+
+
+def check_comparable(methods: Sequence[tuple[str, Any]]) -> None:
+    """Every method decodes the same prompts with the same target and settings (`SHARED_SECTIONS`), else a
+    ValueError naming the first key that differs and its values."""
+    from specdec.config import to_dict
+
+    first_name, first = methods[0]
+    ref = {s: _flatten(to_dict(getattr(first, s)), s) for s in SHARED_SECTIONS}
+    for name, cfg in methods[1:]:
+        for section in SHARED_SECTIONS:
+            mine = _flatten(to_dict(getattr(cfg, section)), section)
+            for key in sorted(set(ref[section]) | set(mine)):
+                a, b = ref[section].get(key, "<unset>"), mine.get(key, "<unset>")
+                if a != b:
+                    raise ValueError(
+                        f"the compared configs differ in {key}: {first_name} has {a!r}, {name} has {b!r}; every "
+                        f"config of one benchmark run must share {', '.join(SHARED_SECTIONS)} (AR runs once for "
+                        f"all of them): make them agree, or override the key for all ({key}=...)")
+
+
+@dataclasses.dataclass
+class Method:
+    """A compared method as built from its config, the way `specdec run` builds it (experiments/build.py)."""
     name: str
-    k: int
-    policy: str | None
-    params: tuple[tuple[str, object], ...]
-    buckets: object = None  # the engine's verify_buckets ("auto" or node counts joined by '/'); None = off
-    scheduler: str | None = None  # "adaptive": the adaptive verify width (specdec/adaptive.py); None = fixed
-    # the adaptive width's options (fields of AdaptiveWidth, e.g. explore_every, margin, calibration_weight)
-    scheduler_options: tuple[tuple[str, object], ...] = ()
-
-    SCHEDULER_ALIASES = {"explore": "explore_every"}
-
-    @classmethod
-    def parse(cls, text: str) -> "DrafterSpec":
-        """`name[:key=value,...]`; k = num_draft_tokens (default 5), policy = verification policy, buckets =
-        verify widths (`auto`, or node counts like 0/1/3), scheduler = `adaptive` or `fixed`; with
-        scheduler=adaptive, any AdaptiveWidth field sets that option (`explore` = explore_every), e.g.
-        `scheduler=adaptive,explore=8,calibration_weight=0`. Every other key is a drafter parameter."""
-        name, _, rest = text.partition(":")
-        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
-        k = int(opts.pop("k", 5))
-        policy = opts.pop("policy", None)
-        buckets = opts.pop("buckets", None)
-        if buckets not in (None, "auto"):
-            buckets = tuple(int(w) for w in buckets.split("/"))
-        scheduler = opts.pop("scheduler", None)
-        if scheduler not in (None, "fixed", "adaptive"):
-            raise ValueError(f"{text}: scheduler must be 'adaptive' or 'fixed', got {scheduler!r}")
-        fields = {f.name for f in dataclasses.fields(AdaptiveWidth)} - {"costs", "cost_path"}
-        sched_opts = {cls.SCHEDULER_ALIASES.get(key, key): _value(opts.pop(key))
-                      for key in list(opts) if cls.SCHEDULER_ALIASES.get(key, key) in fields}
-        if sched_opts and scheduler != "adaptive":
-            raise ValueError(f"{text}: {', '.join(sorted(sched_opts))} are options of scheduler=adaptive")
-        return cls(name, k, policy, tuple(sorted((key, _value(v)) for key, v in opts.items())), buckets,
-                   None if scheduler == "fixed" else scheduler, tuple(sorted(sched_opts.items())))
-
-    def policy_for(self, drafter) -> str:
-        """The verification policy this spec names, or the greedy one for the drafter's kind (chain / tree)."""
-        return self.policy or DEFAULT_POLICY[drafter.kind]
-
-    def make_scheduler(self):
-        return AdaptiveWidth(**dict(self.scheduler_options)) if self.scheduler else None
+    cfg: Any  # ExperimentConfig
+    drafter: Any
+    label: str  # drafter_label: the drafter and its parameters
+    policy: Any  # the Policy run (effective_policy: a chain policy on a tree drafter runs as its tree form)
+    scheduler: Any  # build_scheduler's scheduler
+    compiled: bool | None  # speculative_generate's `compiled`, as experiments/run.py sets it
 
     @property
-    def label(self) -> str:
-        extra = "".join(f",{k}={v}" for k, v in self.params)
-        if self.buckets is not None:
-            extra += f",buckets={self.buckets if isinstance(self.buckets, str) else '/'.join(map(str, self.buckets))}"
-        if self.scheduler:
-            extra += f",{self.scheduler}"
-        extra += "".join(f",{k}={v}" for k, v in self.scheduler_options)
-        return f"{self.name}(k={self.k}{extra})"
+    def description(self) -> str:
+        return f"{self.label} / {self.policy.name} / scheduler {self.cfg.scheduler.kind}"
+
+    def reset(self) -> None:
+        """Empties what a drafter learns from earlier outputs (suffix decoding's global corpus), so that a pass
+        does not find an earlier pass's answers in it."""
+        if hasattr(self.drafter, "clear_global"):
+            self.drafter.clear_global()
+
+
+def build_methods(methods: Sequence[tuple[str, Any]], target, log: Callable[[str], None] = print,
+                  drafters: dict | None = None) -> list[Method]:
+    """`Method`s for `load_method_configs`' (name, config) pairs. `drafters`: a cache of built drafters by their
+    config sections (drafter + verify), so a script that rebuilds methods for another batch size loads a trained
+    drafter once."""
+    from experiments.build import build_drafter, build_scheduler, drafter_label, effective_policy
+    from specdec.config import to_dict
+
+    out = []
+    for name, cfg in methods:
+        key = json.dumps({"drafter": to_dict(cfg.drafter), "verify": to_dict(cfg.verify)}, sort_keys=True)
+        if drafters is not None and key in drafters:
+            drafter, params = drafters[key]
+        else:
+            drafter, params = build_drafter(cfg, target)
+            if drafters is not None:
+                drafters[key] = drafter, params
+        policy, note = effective_policy(cfg.verify, drafter)
+        if note:
+            log(f"{name}: {note}")
+        compiled = False if not cfg.generation.compiled_loop else (None if not drafter.jittable else True)
+        out.append(Method(name, cfg, drafter, drafter_label(drafter, params), policy,
+                          build_scheduler(cfg, target, drafter, log=log), compiled))
+    return out
+
+
+@dataclasses.dataclass
+class Prompts:
+    """The prompts of a config's `data:` section, loaded and encoded as `specdec run` does, in its batches."""
+    items: list  # experiments.datasets.Prompt
+    ids: dict[str, list[int]]  # prompt key -> token ids
+    batches: list[list]  # plan_batches: never mixing datasets
+
+    @property
+    def datasets(self) -> list[str]:
+        return list(dict.fromkeys(p.dataset for p in self.items))
+
+    def batch_ids(self, batch) -> list[list[int]]:
+        return [self.ids[p.key] for p in batch]
+
+
+def load_config_prompts(cfg, target) -> Prompts:
+    """The prompts of `cfg.data` for `target`, chat-templated as `specdec run` templates them, batched by
+    `generation.batch_size` without mixing datasets. Multi-turn prompts (`turns: 2`) need the target's own
+    answers first, which only `specdec run` makes: refused here."""
+    from experiments.build import codec_for, encode_prompt
+    from experiments.datasets import load_all
+    from experiments.run import plan_batches
+
+    codec = codec_for(target)
+    chat = cfg.data.chat_template and codec.chat_template is not None
+    items = load_all(cfg.data.datasets, chat=chat)
+    if any(p.messages and any(m.get("content") is None for m in p.messages) for p in items):
+        raise ValueError("data.datasets: multi-turn prompts (turns > 1) need the target's own earlier answers; "
+                         "benchmark them with `specdec run`")
+    ids = {p.key: encode_prompt(codec, p, chat) for p in items}
+    return Prompts(items, ids, plan_batches(items, cfg.generation.batch_size))
+
+
+def decode_ar(cfg, target, batch_ids: list[list[int]], seed: int):
+    """(tokens, DecodeMetrics) of AR decoding of one batch, warmed up first (the same compiled programs run for 2
+    tokens, untimed), so compilation is excluded."""
+    from specdec.generate import ar_metrics, generate
+
+    out = generate(target, batch_ids, cfg.generation.max_new_tokens, cfg.sampling.to_params(), seed=seed,
+                   max_seq_len=cfg.model.max_seq_len, warmup=True)
+    return out.tokens, ar_metrics(out)
+
+
+def decode_method(method: Method, target, batch_ids: list[list[int]], seed: int):
+    """(tokens, DecodeMetrics) of speculative decoding of one batch by `method`, warmed up like `decode_ar`."""
+    from specdec.engine import speculative_generate
+
+    cfg = method.cfg
+    out = speculative_generate(target, method.drafter, batch_ids, policy=method.policy,
+                               max_new_tokens=cfg.generation.max_new_tokens, sampling=cfg.sampling.to_params(),
+                               seed=seed, compiled=method.compiled, max_seq_len=cfg.model.max_seq_len, warmup=True,
+                               scheduler=method.scheduler, verify_buckets=cfg.verify.buckets)
+    return out.tokens, out.metrics
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Runs
+# transformers (the peer)
 # ----------------------------------------------------------------------------------------------------------
-
-def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
-    return [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-
-
-def run_ar(target: Target, groups, max_new: int):
-    """AR on each group; `warmup=True` first runs the same compiled programs for 2 tokens (untimed)."""
-    outs = [generate(target, g, max_new_tokens=max_new, sampling=GREEDY, warmup=True) for g in groups]
-    tokens = [row for o in outs for row in o.tokens]
-    return tokens, merge([ar_metrics(o) for o in outs])
-
-
-def run_spec(target: Target, drafter, policy: str, groups, max_new: int, buckets=None, scheduler=None,
-             clear: bool = True):
-    """The drafter on each group, warmed up like `run_ar`. The suffix drafter starts with an empty global
-    corpus unless `clear=False` (it does not keep the 2-token warm-up outputs, see drafters/suffix.py)."""
-    if clear and hasattr(drafter, "clear_global"):
-        drafter.clear_global()
-    outs = [speculative_generate(target, drafter, g, policy=policy, max_new_tokens=max_new, sampling=GREEDY,
-                                 warmup=True, verify_buckets=buckets,
-                                 scheduler=scheduler) for g in groups]
-    tokens = [row for o in outs for row in o.tokens]
-    return tokens, merge([o.metrics for o in outs])
-
 
 @functools.lru_cache(maxsize=1)
 def hf_model(gguf_path: str):
@@ -207,57 +471,3 @@ def run_hf_prompt_lookup(gguf_path: str, prompts: list[list[int]], max_new: int,
             tokens += len(new)
     return outputs, {"new_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                      "threads": torch.get_num_threads()}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Timing and output
-# ----------------------------------------------------------------------------------------------------------
-
-def median_seconds(fn, repeats: int = 3) -> float:
-    """Median wall seconds of `fn()` (its result blocked on) over `repeats` calls, after one untimed warm-up
-    call (compilation)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def median_interval(values, level: float = 0.9) -> tuple[float, float] | None:
-    """A distribution-free confidence interval for the median of `values` (per-pass ratios): the order statistics
-    (x_(k), x_(n+1-k)) of the sign test, k the largest with P(Bin(n, 1/2) < k) <= (1 - level) / 2, so the
-    interval covers the true median with probability >= `level` whatever the passes' distribution. This VM's
-    speed drifts by 10-30% between passes, so a median of a few passes alone cannot tell a 3% loss from noise.
-    None when n is too small for that level (n < 5 at 0.9)."""
-    x = sorted(float(v) for v in values)
-    n = len(x)
-    tail = (1.0 - level) / 2.0
-    k, below = 0, 0.0  # below = P(Bin(n, 1/2) < k + 1)
-    while k < n // 2:
-        below += math.comb(n, k) / 2 ** n
-        if below > tail:
-            break
-        k += 1
-    return None if k == 0 else (x[k - 1], x[n - k])
-
-
-def interval_text(interval: tuple[float, float] | None) -> str:
-    """` [lo-hi]` for a `median_interval`, or "" when there is none (too few passes)."""
-    return f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""
-
-
-def command_line(script: str, argv: list[str] | None) -> str:
-    """The command that reproduces this run of `script` (its `__file__`), for the JSON summary; `argv`: the
-    arguments `main` was given, None = the command line's."""
-    return " ".join(["python", "-m", f"benchmarks.{Path(script).stem}"] + (argv if argv is not None else sys.argv[1:]))
-
-
-def write_json(path: str | None, summary) -> None:
-    """A benchmark's JSON summary (`--json OUT`; parent folders made; nothing when path is None)."""
-    if path:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(summary, f, indent=2)
-        print(f"wrote {path}")

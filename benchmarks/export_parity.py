@@ -3,30 +3,33 @@ for vLLM and SGLang, checked with the tests' PyTorch re-implementations of the p
 (tests/peer_eagle3.py, tests/peer_block.py) on real target features, then loaded back into specdec.
 
     python -m benchmarks.export_parity runs/compare/dspark runs/compare/eagle3 [--formats vllm sglang]
-        [--prompts 4] [--new-tokens 64] [--json out.json]
+        [--prompts 4] [--new-tokens 64] [--config configs/benchmarks/base.yaml] [--out DIR]
 
 For each drafter directory (a training run with drafter.json + checkpoints/, or drafter.json + params.npz) and
 format:
 1. `export_run` into a temporary directory; a `NotRepresentable` refusal (e.g. SGLang and a reduced draft
    vocabulary) is the row's result, not a failure.
-2. Parity: chat-templated prompts (MT-Bench, GSM8K, HumanEval in turn) plus the target's own greedy continuation;
-   every position of the continuation is an anchor (prefix = prompt + continuation before it, root = the
-   target's greedy token there). The target's hidden states of every layer, computed once per prompt, go to
-   both the peer re-implementation (which loads config.json + model.safetensors and picks its layers by the
-   engine's id semantics) and specdec's JAX drafter (the tests' drafting path). Reported: the largest relative
-   L2 of the draft logits over anchors, argmax agreement over every drafted position, and whether the drafted
-   target ids (the peer maps through the d2t offsets, specdec through its absolute ids) are equal.
+2. Parity: the prompts of --config's `data:` section (default: the benchmarks' MT-Bench, GSM8K, HumanEval, in turn)
+   plus the target's own greedy continuation; every position of the continuation is an anchor (prefix = prompt +
+   continuation before it, root = the target's greedy token there). The target's hidden states of every layer,
+   computed once per prompt, go to both the peer re-implementation (which loads config.json + model.safetensors and
+   picks its layers by the engine's id semantics) and specdec's JAX drafter (the tests' drafting path). Reported:
+   the largest relative L2 of the draft logits over anchors, argmax agreement over every drafted position, and
+   whether the drafted target ids (the peer maps through the d2t offsets, specdec through its absolute ids) are
+   equal.
 3. Round trip: the export loaded back (`create_drafter(None, ..., path=export)`): the same drafted ids and draft
    logits (rtol / atol 1e-5, as the tests) as the original on the same anchors, and the engine's greedy output
    with it (greedy_chain) equal to AR greedy output on the first --greedy-prompts prompts.
 
 Exit status 1 when any row FAILs (parity: relative L2 >= 1e-4, argmax < 100%, or ids differ; round trip or
-greedy != AR), 2 on bad arguments. Correctness only: nothing here is timed.
+greedy != AR), 2 on bad arguments. Correctness only: nothing here is timed. Writes
+runs/benchmarks/export_parity/results.{json,md} (`--out`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
-from benchmarks.common import DEFAULT_DATA, SUBSETS, load_prompts
+from benchmarks.common import REPO, Report, add_output_arg, load_config_prompts
 from benchmarks.snapshot_drafter import snapshot
 from drafters import create_drafter
 from specdec.engine import speculative_generate
@@ -187,21 +190,31 @@ def check_drafter(run: Path, source: Path, info: dict, target, features: list[Fe
     return rows
 
 
-def format_row(row: dict) -> str:
+TABLE_HEADER = ["drafter", "format", "status", "rel L2 (max)", "argmax %", "ids equal", "round trip (rel L2)",
+                "greedy == AR"]
+
+
+def table_cells(row: dict) -> list:
     name = f"{Path(row['drafter']).name} ({row['kind']}, step {row['step']})"
     if "rel_l2" not in row:
-        return f"| {name} | {row['format']} | {row['status']} | | | | | |"
+        return [name, row["format"], row["status"], "", "", "", "", ""]
     yes = {True: "yes", False: "NO"}
-    return (f"| {name} | {row['format']} | {row['status']} | {row['rel_l2']:.1e} | {row['argmax_pct']:.2f} | "
-            f"{row['ids_equal']} | {yes[row['round_trip_equal']]} ({row['round_trip_rel_l2']:.0e}) | "
-            f"{yes[row['greedy_eq_ar']]} |")
+    return [name, row["format"], row["status"], f"{row['rel_l2']:.1e}", f"{row['argmax_pct']:.2f}", row["ids_equal"],
+            f"{yes[row['round_trip_equal']]} ({row['round_trip_rel_l2']:.0e})", yes[row["greedy_eq_ar"]]]
 
 
-def real_prompts(tokenizer, n: int, data: Path) -> list[list[int]]:
-    """n chat-templated prompts, taking MT-Bench, GSM8K and HumanEval in turn."""
-    per = [load_prompts(s, (n + len(SUBSETS) - 1) // len(SUBSETS), data) for s in SUBSETS]
-    texts = [t for group in zip(*per) for t in group][:n]
-    return [tokenizer.encode_chat(t) for t in texts]
+def format_row(row: dict) -> str:
+    return "| " + " | ".join(map(str, table_cells(row))) + " |"
+
+
+def real_prompts(target, n: int, config: Path) -> list[list[int]]:
+    """n prompts of the `data:` section of `config` (loaded and chat-templated as `specdec run` does), taking its
+    datasets in turn (MT-Bench, GSM8K, HumanEval for the benchmarks' base config)."""
+    from specdec.config import load_config
+
+    loaded = load_config_prompts(load_config(config), target)
+    per = [[loaded.ids[p.key] for p in loaded.items if p.dataset == d] for d in loaded.datasets]
+    return [p for group in itertools.zip_longest(*per) for p in group if p is not None][:n]
 
 
 def run_checks(args, model_name: str, frozen: list[tuple[Path, Path, dict]]) -> list[dict]:
@@ -209,7 +222,7 @@ def run_checks(args, model_name: str, frozen: list[tuple[Path, Path, dict]]) -> 
 
     print(f"loading target {model_name} ...", flush=True)
     target = load_target(model_name)
-    prompts = real_prompts(target.tokenizer, args.prompts, args.data)
+    prompts = real_prompts(target, args.prompts, args.config)
     ar = generate(target, prompts, max_new_tokens=args.new_tokens, sampling=GREEDY).tokens
     features = [Features(target, p, c) for p, c in zip(prompts, ar)]
     g = args.greedy_prompts
@@ -231,8 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64, help="greedy continuation per prompt (= anchors)")
     ap.add_argument("--greedy-prompts", type=int, default=2, help="prompts of the greedy == AR check")
     ap.add_argument("--model", help="the target (default: model.name of the runs' config.yaml)")
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--config", type=Path, default=REPO / "configs" / "benchmarks" / "base.yaml",
+                    help="the experiment config whose data: section gives the prompts")
+    add_output_arg(ap, __file__)
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 2 or not 1 <= args.greedy_prompts <= args.prompts:
         ap.error("need --prompts >= 1, --new-tokens >= 2 and 1 <= --greedy-prompts <= --prompts")
@@ -246,6 +260,7 @@ def main(argv=None) -> int:
                  "target; pass --model")
     if len(names) > 1:
         ap.error(f"the drafters name different targets ({', '.join(sorted(names))}): run them separately")
+    report = Report(__file__, argv, args.out)
     with tempfile.TemporaryDirectory(prefix="export_parity_") as work:
         frozen = []
         for i, d in enumerate(args.drafters):  # every drafter read now, before the (slow) target load
@@ -255,12 +270,9 @@ def main(argv=None) -> int:
             except ckpt.CheckpointError as e:  # e.g. a run that has not written its first checkpoint yet
                 ap.error(str(e))
         rows = run_checks(args, names.pop(), frozen)
-    print("\n| drafter | format | status | rel L2 (max) | argmax % | ids equal | round trip (rel L2) | greedy == AR |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(format_row(row))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    report.table("Export parity", TABLE_HEADER, [table_cells(row) for row in rows],
+                 note=f"{args.prompts} prompts x {args.new_tokens} anchors; parity: rel L2 <= {REL_L2:g}")
+    report.write({"rows": rows})
     return 1 if any(r["status"] == "FAIL" for r in rows) else 0
 
 

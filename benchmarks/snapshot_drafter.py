@@ -1,8 +1,8 @@
 """Freeze a training run's drafter into a drafter directory (drafter.json + params.npz) that no training job moves.
 
 A run keeps only its newest `train.keep_checkpoints` states, so a learning curve measured in the engine (tau
-against training tokens, docs/TRAINING.md) snapshots the steps it needs while the run goes on; the export and tau
-checks (benchmarks/export_parity.py, benchmarks/tau_agreement.py) freeze the drafter they read the same way:
+against training tokens, docs/TRAINING.md) snapshots the steps it needs while the run goes on; the export check
+(benchmarks/export_parity.py) freezes the drafter it reads the same way:
 
     python -m benchmarks.snapshot_drafter runs/train/dspark_mix runs/snapshots/dspark_mix_step350 [--step 350]
 

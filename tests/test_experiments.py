@@ -669,18 +669,3 @@ def test_compare_rows_with_and_without_verify_buckets():
                                         "ngram(k=4,max_ngram=2,buckets=auto)"]
     assert all(r.matches_ar for r in rows) and rows[1].outputs == rows[2].outputs
     assert "buckets=auto" in table(rows)
-
-
-def test_median_interval_is_the_sign_test_interval_and_covers():
-    """benchmarks.common.median_interval: the order statistics of the sign test (n = 9 at 90%: the 2nd and 8th
-    of the sorted values, which cover the median with probability 1 - 2 x 10/512 = 0.961), None when too few
-    passes, and the coverage it promises on skewed draws."""
-    from benchmarks.common import median_interval
-
-    assert median_interval([5, 1, 4, 2, 3]) == (1.0, 5.0)
-    assert median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5]) == (2.0, 8.0)
-    assert median_interval([1, 2, 3, 4]) is None
-    rng = np.random.default_rng(0)
-    draws = rng.lognormal(size=(4000, 9))  # skewed: the true median is exp(0) = 1
-    covered = np.mean([lo <= 1.0 <= hi for lo, hi in map(median_interval, draws)])
-    assert 0.95 < covered < 0.975, covered

@@ -282,19 +282,3 @@ def test_real_model_answers_paris(real_target):
     tok = real_target.tokenizer
     out = generate(real_target, [tok.encode_chat("What is the capital of France?")], max_new_tokens=24)
     assert "Paris" in tok.decode(out.tokens[0])
-
-
-def test_the_step_profile_finds_every_weight_product():
-    """benchmarks/profile_step.py groups the compiled step's ops by what they do: each layer weight's products
-    (decode and verify widths) and attention's products over the cache are found in the HLO."""
-    from benchmarks.bench_decode import make_step
-    from benchmarks.profile_step import op_groups
-
-    target = random_target(tiny_config(), seed=3)
-    cache = target.init_cache(1, CAPACITY)
-    weights = {f"products: {name}" for name, w in target.params["layers"][0].items() if w.ndim == 2}
-    for width in (1, 4):
-        compiled = make_step(target.forward, target.cfg).lower(target.params, cache, jnp.ones((1, width), jnp.int32))
-        groups = set(op_groups(compiled.compile().as_text(), CAPACITY).values())
-        assert weights <= groups, (width, weights - groups)
-        assert {"attention: products over the cache", "cache writes"} <= groups, (width, groups)

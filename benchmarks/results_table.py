@@ -1,0 +1,167 @@
+"""The README's results table: drafter x batch size x dataset, against AR in the same run.
+
+    python -m benchmarks.results_table                     # configs/benchmarks/results_table.yaml
+    python -m benchmarks.results_table --smoke             # a check that it runs: 1 prompt per dataset, 8 tokens
+
+A table file (configs/benchmarks/results_table.yaml) names the methods (row label -> experiment config), the batch
+sizes and the passes. For each batch size this runs `bench_speculative`'s comparison of all the methods with the
+batch size overridden (AR and the methods interleaved batch by batch, warm-ups untimed, output == AR checked per
+prompt), and reports per cell (method, batch, dataset): tau, the speedup over AR and how many prompts' output
+equals AR's.
+
+The canonical run (the default table file, no overrides, no --smoke, no --out) writes docs/results/results_table/results.json
+and results.md and rewrites the README's table between `<!-- results-table:begin -->` and
+`<!-- results-table:end -->`; every row carries the machine, the commit and the load average. Any other run
+writes under runs/benchmarks/ and leaves the README alone, so a smoke test or a variant never replaces the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from benchmarks import bench_speculative
+from benchmarks.common import REPO, DEFAULT_OUT, Report, load_method_configs, load_text, split_args
+
+DEFAULT_TABLE = REPO / "configs" / "benchmarks" / "results_table.yaml"
+CANONICAL_OUT = REPO / "docs" / "results" / "results_table"
+README = REPO / "README.md"
+BEGIN, END = "<!-- results-table:begin -->", "<!-- results-table:end -->"
+DATASET_NAMES = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
+
+
+def load_table(path: Path) -> dict:
+    """The table file: {"methods": {label: config path (absolute)}, "batch_sizes": [...], "repeats": n}."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    unknown = set(data) - {"methods", "batch_sizes", "repeats"}
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {', '.join(sorted(unknown))} (known: methods, batch_sizes, repeats)")
+    methods = data.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        raise ValueError(f"{path}: methods must map each row label to an experiment config")
+    batches = data.get("batch_sizes", [1])
+    repeats = data.get("repeats", 1)
+    if not (isinstance(batches, list) and batches and all(isinstance(b, int) and b >= 1 for b in batches)):
+        raise ValueError(f"{path}: batch_sizes must be a list of integers >= 1, got {batches!r}")
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"{path}: repeats must be an integer >= 1, got {repeats!r}")
+    here = Path(path).resolve().parent
+    return {"methods": {str(label): str(here / cfg) for label, cfg in methods.items()},
+            "batch_sizes": batches, "repeats": repeats}
+
+
+def smoke_overrides(config: str) -> list[str]:
+    """Overrides that shrink a run to a check that it works: one prompt per dataset, 8 new tokens."""
+    from specdec.config import load_config
+
+    n = len(load_config(config).data.datasets)
+    return [f"data.datasets.{i}.limit=1" for i in range(n)] + ["generation.max_new_tokens=8"]
+
+
+def cells(rows: list[dict], labels: dict[str, str]) -> list[dict]:
+    """One cell per (method, batch, dataset) from bench_speculative's rows."""
+    out = []
+    for r in rows:
+        if r["method"] == bench_speculative.AR:
+            continue
+        ar = next(a for a in rows if a["method"] == bench_speculative.AR and a["dataset"] == r["dataset"])
+        out.append({"method": labels.get(r["method"], r["method"]), "config": r["method"], "batch": r["batch"],
+                    "dataset": r["dataset"], "prompts": r["prompts"], "tau": r["tau"], "speedup": r["speedup"],
+                    "speedup_interval": r["speedup_interval"], "same_as_ar": r["same_as_ar"], "tok_s": r["tok_s"],
+                    "ar_tok_s": ar["tok_s"], "description": r["description"]})
+    return out
+
+
+def cell_text(c: dict) -> str:
+    same = "n/a" if c["same_as_ar"] is None else "{}/{}".format(*c["same_as_ar"])
+    return f"{c['tau']:.2f} · {c['speedup']:.2f}x · {same}"
+
+
+def table_rows(all_cells: list[dict], meta: dict) -> tuple[list[str], list[list]]:
+    """The README's table: one row per (method, batch), a column per dataset, then machine, commit and load."""
+    datasets = list(dict.fromkeys(c["dataset"] for c in all_cells))
+    header = ["drafter", "batch", *(f"{DATASET_NAMES.get(d, d)}: tau · speedup · = AR" for d in datasets),
+              "machine", "commit", "load avg"]
+    m = meta["machine"]
+    machine = f"{m['cpu']}, {m['cores']} cores"
+    rows = []
+    for key in dict.fromkeys((c["method"], c["batch"]) for c in all_cells):
+        by_dataset = {c["dataset"]: c for c in all_cells if (c["method"], c["batch"]) == key}
+        rows.append([key[0], key[1], *(cell_text(by_dataset[d]) if d in by_dataset else "-" for d in datasets),
+                     machine, meta["commit"], load_text(meta)])
+    return header, rows
+
+
+def rewrite_readme(readme: Path, block: str) -> None:
+    """Replaces what lies between the README's results-table markers with `block`."""
+    text = readme.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"{readme}: expected one {BEGIN} ... {END} pair around the results table")
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    readme.write_text(f"{head}{BEGIN}\n{block.strip()}\n{END}{tail}")
+    print(f"rewrote the results table in {readme}", flush=True)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("items", nargs="*", metavar="TABLE.yaml | section.key=value",
+                    help=f"a table file (default {DEFAULT_TABLE.relative_to(REPO)}) and overrides applied to every "
+                         "config")
+    ap.add_argument("--smoke", action="store_true", help="1 prompt per dataset and 8 new tokens: checks that it runs")
+    ap.add_argument("--out", type=Path, help="where results.json and results.md go (default: docs/results/"
+                                             "results_table for the canonical run, else runs/benchmarks/results_table)")
+    args = ap.parse_args(argv)
+    paths, overrides = split_args(args.items)
+    if len(paths) > 1:
+        ap.error("name at most one table file")
+    table_path = Path(paths[0]) if paths else DEFAULT_TABLE
+    canonical = not paths and not overrides and not args.smoke and args.out is None
+    try:
+        table = load_table(table_path)
+        labels = {Path(cfg).stem: label for label, cfg in table["methods"].items()}
+        configs = list(table["methods"].values())
+        if args.smoke:
+            overrides = smoke_overrides(configs[0]) + overrides
+        load_method_configs(configs, overrides)  # fail now, not after the first batch size
+    except ValueError as e:
+        ap.error(str(e))
+    out = args.out or (CANONICAL_OUT if canonical else DEFAULT_OUT / ("results_table_smoke" if args.smoke
+                                                                      else "results_table"))
+    report = Report(__file__, argv, out, title="Results table")
+    target, drafters, all_cells, results = None, {}, [], {}
+    for batch in table["batch_sizes"]:
+        method_configs = load_method_configs(configs, [*overrides, f"generation.batch_size={batch}"])
+        if target is None:
+            from experiments.build import build_target
+
+            cfg = method_configs[0][1]
+            target = build_target(cfg.model, cfg.mesh)
+        result = bench_speculative.compare(method_configs, table["repeats"], target=target, drafters=drafters)
+        results[f"batch_{batch}"] = result
+        all_cells += cells(result["rows"], labels)
+    report.finish()
+    header, rows = table_rows(all_cells, report.meta)
+    cfg = load_method_configs(configs, overrides)[0][1]
+    note = (f"{cfg.generation.max_new_tokens} new tokens, temperature {cfg.sampling.temperature:g}, "
+            f"{table['repeats']} pass(es); each cell: tau (tokens per target step) · speedup over AR (decode time "
+            "per token, same run) · prompts whose output equals AR's")
+    markdown = report.table("Speculative decoding vs AR", header, rows, note=note)
+    report.table("Methods", ["drafter", "config", "drafter / policy / scheduler"],
+                 [[label, Path(path).relative_to(REPO) if Path(path).is_relative_to(REPO) else path,
+                   next((c["description"] for c in all_cells if c["method"] == label), "-")]
+                  for label, path in table["methods"].items()], echo=False)
+    report.write({"cells": all_cells, "runs": results})
+    if canonical:
+        rewrite_readme(README, f"{note}.\n\n{markdown}\n\nCommand: `{report.meta['command']}` "
+                               f"({report.meta['date'][:10]}; details in docs/results/results_table/results.md).")
+    else:
+        print("not the canonical run (a table file, overrides, --smoke or --out given): README.md left as it is",
+              flush=True)
+    return {"cells": all_cells}
+
+
+if __name__ == "__main__":
+    main()

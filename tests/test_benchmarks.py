@@ -1,0 +1,237 @@
+"""The benchmarks' own helpers (benchmarks/): the statistics their tables print and the cost model's check."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.common import Report, check_comparable, load_method_configs, median_interval, split_args
+from benchmarks.cost_fit import fit_line, fit_round_costs
+from specdec.config import load_config
+from specdec.metrics import DecodeMetrics
+
+
+def test_median_interval_is_the_sign_test_interval_and_covers():
+    """benchmarks.common.median_interval: the order statistics of the sign test (n = 9 at 90%: the 2nd and 8th
+    of the sorted values, which cover the median with probability 1 - 2 x 10/512 = 0.961), None when too few
+    passes, and the coverage it promises on skewed draws."""
+    assert median_interval([5, 1, 4, 2, 3]) == (1.0, 5.0)
+    assert median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5]) == (2.0, 8.0)
+    assert median_interval([1, 2, 3, 4]) is None
+    rng = np.random.default_rng(0)
+    draws = rng.lognormal(size=(4000, 9))  # skewed: the true median is exp(0) = 1
+    covered = np.mean([lo <= 1.0 <= hi for lo, hi in map(median_interval, draws)])
+    assert 0.95 < covered < 0.975, covered
+
+
+def test_fit_round_costs_recovers_the_costs_the_runs_paid():
+    """`benchmarks.cost_fit.fit_round_costs` (the cost model's check bench_speculative prints): from runs whose decode seconds follow
+    known costs per width and per unverified draft, in units of each run's own (rescaled) C(0), it recovers them;
+    a width no run chose is None; too few runs give None; mixed verify widths are a clear error."""
+
+    true_ratios, true_draft = [1.0, 1.5, 1.62, 1.9], 0.2
+    rng = np.random.default_rng(0)
+    runs = []
+    for _ in range(12):
+        c0 = 0.03 * (1 + 0.1 * rng.standard_normal())  # each run rescaled to the machine's speed then
+        counts = [int(rng.integers(5, 60)), 0, int(rng.integers(0, 30)), int(rng.integers(0, 30))]
+        unverified = int(rng.integers(0, min(5, counts[0]) + 1))
+        skipped = counts[0] - unverified
+        seconds = c0 * (float(np.dot(counts, true_ratios)) + unverified * true_draft)
+        runs.append(DecodeMetrics(new_tokens=64, rounds=sum(counts), accepted_draft_tokens=0, proposed_draft_tokens=0,
+                                  prefill_seconds=0.0, decode_seconds=seconds, verify_widths=[0, 1, 3, 7],
+                                  width_rounds=counts, skipped_drafts=skipped, predicted_seconds=seconds,
+                                  round_costs=[c0, 1.4 * c0, 1.5 * c0, 1.7 * c0], draft_cost=0.1 * c0))
+    fit = fit_round_costs(runs)
+    assert fit["runs"] == 12 and fit["ratios"][0] == pytest.approx(1.0)
+    assert fit["ratios"][1] is None and fit["ratios_stderr"][1] is None
+    for got, want in zip([fit["ratios"][i] for i in (0, 2, 3)], [1.0, 1.62, 1.9]):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert fit["draft"] == pytest.approx(true_draft, rel=1e-6)
+    assert fit["profile_ratios"] == pytest.approx([1.0, 1.4, 1.5, 1.7]) and fit["profile_draft"] == pytest.approx(0.1)
+    assert "1.62+-0.00" in fit_line(fit) and "(profile 0.10)" in fit_line(fit)
+
+    # a drafter that drafts every round: each width-0 round is an unverified draft, priced within C(0)
+    always = [dataclasses.replace(m, skipped_drafts=0, decode_seconds=m.round_costs[0] * (
+        float(np.dot(m.width_rounds, true_ratios)) + m.width_rounds[0] * true_draft)) for m in runs]
+    fit = fit_round_costs(always)
+    assert fit["draft"] is None and fit["ratios"][0] == pytest.approx(1.0 + true_draft)
+    assert fit["ratios"][3] == pytest.approx(1.9, rel=1e-6)  # over the profile's C(0), not the fitted one
+
+    # runs of ~2 plain rounds each (GSM8K's): C(0) is barely determined, so every figure stays over the profile's
+    # C(0) (divided by a fitted C(0) near 0, a real fit printed negative ratios and errors)
+    rng = np.random.default_rng(1)
+    few = []
+    for _ in range(24):
+        counts = [int(rng.integers(1, 4)), 0, int(rng.integers(0, 8)), int(rng.integers(20, 30))]
+        seconds = 0.025 * float(np.dot(counts, true_ratios)) * (1 + 0.03 * rng.standard_normal())
+        few.append(dataclasses.replace(runs[0], width_rounds=counts, skipped_drafts=counts[0], decode_seconds=seconds,
+                                       round_costs=[0.025, 0.035, 0.0375, 0.0425]))
+    fit = fit_round_costs(few)
+    assert fit["ratios_stderr"][0] > 0.2  # the plain round: hardly constrained by these runs
+    assert abs(fit["ratios"][3] - 1.9) < 4 * fit["ratios_stderr"][3] < 0.2  # the width they mostly ran: priced
+    assert all(e >= 0 for e in fit["ratios_stderr"] if e is not None)
+
+    assert fit_round_costs(runs[:3]) is None  # 3 runs, 4 unknowns
+    other = dataclasses.replace(runs[0], verify_widths=[0, 2, 7], width_rounds=[3, 4, 5], round_costs=[1.0, 1.5, 2.0])
+    with pytest.raises(ValueError, match="different verify widths"):
+        fit_round_costs(runs + [other])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compared methods from experiment configs, and the result schema
+# ---------------------------------------------------------------------------------------------------------
+
+def _write(path, text):
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+@pytest.fixture
+def tiny_configs(tmp_path):
+    """A base on the tiny random target (built-in prompts, 8 new tokens) and two methods extending it."""
+    _write(tmp_path / "base.yaml", """\
+        model: {name: tiny, max_seq_len: 512}
+        generation: {max_new_tokens: 8, batch_size: 1}
+        data: {datasets: [{name: quickstart, limit: 3}]}
+        tracking: {backend: none}
+        """)
+    ngram = _write(tmp_path / "ngram.yaml", """\
+        extends: base.yaml
+        drafter: {name: ngram, num_draft_tokens: 4, params: {max_ngram: 2}}
+        scheduler: {kind: fixed}
+        """)
+    suffix = _write(tmp_path / "suffix.yaml", """\
+        extends: base.yaml
+        drafter: {name: suffix, num_draft_tokens: 4}
+        verify: {policy: greedy_tree}
+        scheduler: {kind: fixed}
+        """)
+    return ngram, suffix
+
+
+def test_split_args_tells_configs_from_overrides(tmp_path):
+    odd = _write(tmp_path / "a=b.yaml", "{}\n")  # an existing file is a config even with '=' in its name
+    assert split_args(["x.yaml", "generation.batch_size=8", odd]) == (["x.yaml", odd], ["generation.batch_size=8"])
+
+
+def test_method_configs_share_the_run_settings_or_name_the_key(tiny_configs):
+    ngram, suffix = tiny_configs
+    methods = load_method_configs([ngram, suffix], ["generation.batch_size=2"])
+    assert [name for name, _ in methods] == ["ngram", "suffix"]
+    assert all(cfg.generation.batch_size == 2 for _, cfg in methods)  # overrides apply to every config
+    other = _write(Path(ngram).parent / "long.yaml", "extends: suffix.yaml\ngeneration: {max_new_tokens: 16}\n")
+    with pytest.raises(ValueError, match=r"differ in generation\.max_new_tokens: ngram has 8, long has 16"):
+        load_method_configs([ngram, other])
+    with pytest.raises(ValueError, match=r"differ in data\.datasets\.0\.limit"):
+        check_comparable([("a", load_config(ngram)), ("b", load_config(suffix, ["data.datasets.0.limit=2"]))])
+    with pytest.raises(ValueError, match="both named ngram"):
+        load_method_configs([ngram, ngram])
+
+
+def test_the_shipped_benchmark_configs_load_and_compare():
+    """configs/benchmarks/: every method config loads (its scheduler knobs exist) and they share the run settings,
+    so one benchmark run can compare them all."""
+    folder = Path(__file__).resolve().parents[1] / "configs" / "benchmarks"
+    paths = sorted(str(p) for p in folder.glob("*.yaml") if p.stem not in ("base", "results_table"))
+    methods = dict(load_method_configs(paths))
+    assert {"ngram", "suffix", "dspark_shipped", "hybrid"} <= set(methods)
+    assert methods["dspark_shipped"].drafter.path == "drafters/trained/dspark_smollm2_mix"
+
+
+def test_a_sweep_file_is_one_method_per_run(tiny_configs, tmp_path):
+    ngram, _ = tiny_configs
+    sweep = _write(tmp_path / "sweep.yaml", """\
+        base: ngram.yaml
+        runs:
+          - {name: k2, drafter.num_draft_tokens: 2}
+          - {name: k4}
+        """)
+    methods = load_method_configs([sweep])
+    assert [(name, cfg.drafter.num_draft_tokens) for name, cfg in methods] == [("k2", 2), ("k4", 4)]
+
+
+def test_bench_speculative_compares_config_methods_with_ar(tiny_configs, tmp_path):
+    """The whole benchmark on the tiny target: one row per dataset and method (AR first), every greedy output
+    equal to AR's in every pass, and results.json / results.md in the shared schema."""
+    from benchmarks import bench_speculative
+
+    ngram, suffix = tiny_configs
+    out = tmp_path / "out"
+    result = bench_speculative.main([ngram, suffix, "--repeats", "2", "--out", str(out)])
+    rows = result["rows"]
+    assert [r["method"] for r in rows] == ["AR", "ngram", "suffix"]
+    assert all(r["same_as_ar"] == [3, 3] for r in rows[1:]), rows
+    assert all(len(r["speedup_by_pass"]) == 2 for r in rows)
+    data = json.loads((out / "results.json").read_text())
+    meta = data["meta"]
+    assert {"cpu", "cores"} <= set(meta["machine"]) and meta["commit"] and meta["date"]
+    assert meta["load_avg_start"] is not None and meta["load_avg_end"] is not None
+    assert meta["command"].startswith("python -m benchmarks.bench_speculative ") and "--repeats 2" in meta["command"]
+    md = (out / "results.md").read_text()
+    assert meta["commit"] in md and meta["command"] in md and "| quickstart | 1 | suffix |" in md
+
+
+def test_report_writes_json_and_markdown_with_provenance(tmp_path):
+    report = Report("benchmarks/bench_x.py", ["--flag", "a b"], tmp_path)
+    report.table("Step", ["batch", "ms"], [[1, 2.5], [8, float("nan")]], echo=False)
+    report.write({"value": float("inf")})
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["command"] == "python -m benchmarks.bench_x --flag 'a b'"
+    assert data["results"] == {"value": None} and data["tables"][0]["rows"][1] == [8, None]
+    md = (tmp_path / "results.md").read_text()
+    assert md.startswith("# bench_x\n") and "| 1 | 2.5 |" in md and "load average" in md
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The README's results table
+# ---------------------------------------------------------------------------------------------------------
+
+def test_the_results_table_file_names_the_benchmark_configs():
+    from benchmarks.results_table import DEFAULT_TABLE, load_table
+
+    table = load_table(DEFAULT_TABLE)
+    assert table["batch_sizes"] == [1, 8] and table["repeats"] == 1
+    assert [Path(p).name for p in table["methods"].values()] == ["ngram.yaml", "suffix.yaml", "dspark_shipped.yaml",
+                                                                  "hybrid.yaml"]
+    methods = load_method_configs(list(table["methods"].values()))
+    assert all(cfg.generation.max_new_tokens == 64 and cfg.generation.batch_size == 1 for _, cfg in methods)
+
+
+def test_the_results_table_has_a_row_per_method_and_batch_with_provenance(tmp_path):
+    from benchmarks.results_table import BEGIN, END, load_table, rewrite_readme, table_rows
+
+    meta = {"machine": {"cpu": "Some CPU", "cores": 2}, "commit": "abc1234", "load_avg_start": [0.5, 0, 0],
+            "load_avg_end": [1.25, 0, 0]}
+    cells = [{"method": m, "batch": b, "dataset": d, "tau": 2.0, "speedup": 1.5, "same_as_ar": [8, 8]}
+             for b in (1, 8) for m in ("n-gram", "hybrid") for d in ("mt_bench", "gsm8k")]
+    header, rows = table_rows(cells, meta)
+    assert header[:4] == ["drafter", "batch", "MT-Bench: tau · speedup · = AR", "GSM8K: tau · speedup · = AR"]
+    assert [r[:2] for r in rows] == [["n-gram", 1], ["hybrid", 1], ["n-gram", 8], ["hybrid", 8]]
+    assert rows[0][2:] == ["2.00 · 1.50x · 8/8", "2.00 · 1.50x · 8/8", "Some CPU, 2 cores", "abc1234", "0.50 -> 1.25"]
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Results\n\n{BEGIN}\nold\n{END}\n\n## Next\n")
+    rewrite_readme(readme, "| new |")
+    assert readme.read_text() == f"# x\n\n## Results\n\n{BEGIN}\n| new |\n{END}\n\n## Next\n"
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="results-table"):
+        rewrite_readme(readme, "| new |")
+
+    bad = tmp_path / "table.yaml"
+    bad.write_text("methods: {a: ngram.yaml}\nbatch: [1]\n")
+    with pytest.raises(ValueError, match="unknown keys batch"):
+        load_table(bad)
+
+
+def test_the_readme_has_the_results_table_markers():
+    from benchmarks.results_table import BEGIN, END, README
+
+    text = README.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1 and text.index(BEGIN) < text.index(END)
+    assert "python -m benchmarks.results_table" in text
