@@ -680,9 +680,8 @@ class DFlashDrafter(Drafter):
         top-p), the rank-r child and its subtree are invalid. At temperature 1 with 7 nodes (the session-30
         shipped DSpark) it measured mean engine tau 1.57 against the top-k tree's 1.48 and the chain's 1.47 (a
         deeper spine, accept 0.65 at depth 4: also 1.57). On tests/test_dspark.py's two-phrase language the top-k
-        tree wins (6.99 against this shape's 4.70 and the dynamic sampled tree's 6.10: `python -m
-        benchmarks.toy_tree_sampling`): a shape that follows the scores reaches into both phrases, a fixed one
-        cannot (docs/TRAINING.md, sessions 32-33)."""
+        tree wins (6.99 against this shape's 4.70 and the dynamic sampled tree's 6.10, means of 3 seeds): a shape
+        that follows the scores reaches into both phrases, a fixed one cannot (docs/TRAINING.md)."""
         shape, d2t = self.sampled_shape, params.get("d2t")
         u = self.head_logits(params, hidden)  # [B, D, Vd]
         tokens, dists, valid = [None] * shape.num_nodes, [None] * shape.num_nodes, [None] * shape.num_nodes

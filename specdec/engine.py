@@ -358,7 +358,7 @@ def compiled_loop(spec: LoopSpec, tparams, dparams, state: LoopState) -> LoopSta
 
 
 # verify and update donate the state they return (else XLA copies the KV cache into the output); propose does not,
-# since analyses (specdec.testing, benchmarks/bench_draft_cost.py) draft again from the same state.
+# since analyses (specdec.testing) draft again from the same state.
 _jit_propose = jax.jit(propose, static_argnames=("spec",))
 _jit_verify = jax.jit(verify_and_commit, static_argnames=("spec",), donate_argnames=("state",))
 _jit_update = jax.jit(update, static_argnames=("spec",), donate_argnames=("state",))

@@ -443,7 +443,7 @@ def test_toy_two_phrases_tree_covers_both_phrases(toy_runs):
     """At temperature 1 the chain bets on one of the two phrases after a marker; a tree of top_k=2 drafts both
     (the Markov head keeps each branch on its phrase), so multidraft_tree accepts more per round. This is the
     top-k tree (tree_accept=0), whose shape follows the scores into both phrases; the sampled trees reach 4.70
-    (fixed shape) and 6.10 (dynamic) here, means of 3 seeds (`python -m benchmarks.toy_tree_sampling`), and win on
+    (fixed shape) and 6.10 (dynamic) here, means of 3 seeds, and win on
     real text at T=1 (`sample_tree`)."""
     target, runs = toy_runs
     chain = runs["dspark"][1]
