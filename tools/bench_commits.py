@@ -8,6 +8,8 @@ and times, after a warm-up call each:
   * greedy AR (`specdec.generate.generate`) on 4 chat prompts at batch 1 and as one batch of 8;
   * greedy speculative decoding with the n-gram drafter at a fixed width (`speculative_generate`, no adaptive
     width, so no cost profile enters) on the same prompts and batches; its tokens must equal AR's;
+  * the same with the adaptive width on given round costs (no profile: its choices are a function of the text,
+    so every commit runs the same rounds), the loop a scheduler change could slow down;
   * a fingerprint of the compiled target step's HLO instructions (batch 1 and 8 at one token, batch 1 at four;
     source locations and other metadata dropped): equal fingerprints mean XLA compiled the same program, so
     any timing difference between those commits is the machine's noise.
@@ -79,6 +81,18 @@ def hlo_fingerprint(target) -> str:
     return digest.hexdigest()[:16]
 
 
+def given_cost_adaptive_width():
+    """The adaptive width on fixed round costs for a 3-token chain (verify widths 0 / 1 / 3, the ratios of a
+    2-core CPU), in the settings spelling of the commit it runs in."""
+    from specdec.adaptive import AdaptiveWidth
+
+    round_costs, draft_cost = (0.025, 0.030, 0.0303), 1e-6
+    try:
+        return AdaptiveWidth(round_costs=round_costs, draft_cost=draft_cost)
+    except TypeError:  # before the Scheduler protocol: one `costs` pair
+        return AdaptiveWidth(costs=(round_costs, draft_cost))
+
+
 # (batch, tokens per row) of the bare steps timed: decode at batch 1 and 8, and verify widths at batch 1
 STEP_SHAPES = ((1, 1), (1, 2), (1, 4), (1, 8), (8, 1), (8, 4))
 
@@ -120,6 +134,7 @@ def probe(new_tokens: int, steps: int) -> dict:
         out[f"step_ms_b{batch}_t{width}"] = 1e3 * _timed(one, steps)
 
     drafter = create_drafter("ngram", target, 3, max_ngram=3)
+    adaptive = given_cost_adaptive_width()
     for batch, groups in ((1, [[p] for p in prompts]), (8, [prompts + prompts])):
         def ar():
             return [generate(target, g, max_new_tokens=new_tokens).tokens for g in groups]
@@ -127,12 +142,18 @@ def probe(new_tokens: int, steps: int) -> dict:
         def spec():
             return [speculative_generate(target, drafter, g, max_new_tokens=new_tokens).tokens for g in groups]
 
-        ar_tokens, spec_tokens = ar(), spec()  # warm-up (compilation), and the tokens compared
+        def spec_adaptive():
+            return [speculative_generate(target, drafter, g, max_new_tokens=new_tokens, scheduler=adaptive).tokens
+                    for g in groups]
+
+        ar_tokens, spec_tokens, adaptive_tokens = ar(), spec(), spec_adaptive()  # warm-up; the tokens compared
         tokens = sum(len(row) for rows in ar_tokens for row in rows)
         out[f"ar_tok_s_b{batch}"] = tokens / _timed(ar, 2, warm_up=False)
         out[f"ngram_tok_s_b{batch}"] = tokens / _timed(spec, 2, warm_up=False)
-        out[f"ngram_same_as_ar_b{batch}"] = [[list(r) for r in g] for g in ar_tokens] == \
-                                            [[list(r) for r in g] for g in spec_tokens]
+        out[f"adaptive_tok_s_b{batch}"] = tokens / _timed(spec_adaptive, 2, warm_up=False)
+        same = [[list(r) for r in g] for g in ar_tokens]
+        out[f"ngram_same_as_ar_b{batch}"] = same == [[list(r) for r in g] for g in spec_tokens]
+        out[f"adaptive_same_as_ar_b{batch}"] = same == [[list(r) for r in g] for g in adaptive_tokens]
     return out
 
 
