@@ -1,15 +1,16 @@
 """The README's results table: drafter x batch size x dataset, against AR in the same run.
 
-    python -m benchmarks.results_table                     # configs/benchmarks/results_table.yaml
+    python -m benchmarks.results_table                     # the table below (METHODS x BATCH_SIZES)
     python -m benchmarks.results_table --smoke             # a check that it runs: 1 prompt per dataset, 8 tokens
+    python -m benchmarks.results_table configs/benchmarks/ngram.yaml --batches 1   # another table, in runs/
 
-A table file (configs/benchmarks/results_table.yaml) names the methods (row label -> experiment config), the batch
-sizes and the passes. For each batch size this runs `bench_speculative`'s comparison of all the methods with the
-batch size overridden (AR and the methods interleaved batch by batch, warm-ups untimed, output == AR checked per
+The table's rows are the methods of `METHODS` (row label -> an experiment config of configs/benchmarks/, the
+configs `specdec run` and `bench_speculative` take), or the configs given; for each batch size (`--batches`) this
+runs `bench_speculative`'s comparison of all the methods with the batch size overridden (AR and the methods interleaved batch by batch, warm-ups untimed, output == AR checked per
 prompt), and reports per cell (method, batch, dataset): tau, the speedup over AR and how many prompts' output
 equals AR's.
 
-The canonical run (the default table file, no overrides, no --smoke, no --out) writes docs/results/results_table/results.json
+The canonical run (the default methods and batch sizes, no overrides, no --smoke, no --out) writes docs/results/results_table/results.json
 and results.md and rewrites the README's table between `<!-- results-table:begin -->` and
 `<!-- results-table:end -->`; every row carries the machine, the commit and the load average. Any other run
 writes under runs/benchmarks/ and leaves the README alone, so a smoke test or a variant never replaces the table.
@@ -20,36 +21,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
-
 from benchmarks import bench_speculative
 from benchmarks.common import REPO, DEFAULT_OUT, Report, load_method_configs, load_text, split_args
 
-DEFAULT_TABLE = REPO / "configs" / "benchmarks" / "results_table.yaml"
+# The README's table: row label -> the method's experiment config, and the batch sizes of its rows.
+METHODS = {"n-gram": "ngram.yaml", "suffix": "suffix.yaml", "DSpark (shipped, 7-node tree)": "dspark_shipped.yaml",
+           "hybrid": "hybrid.yaml"}
+BATCH_SIZES = (1, 8)
+CONFIGS = REPO / "configs" / "benchmarks"
 CANONICAL_OUT = REPO / "docs" / "results" / "results_table"
 README = REPO / "README.md"
 BEGIN, END = "<!-- results-table:begin -->", "<!-- results-table:end -->"
 DATASET_NAMES = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
-
-
-def load_table(path: Path) -> dict:
-    """The table file: {"methods": {label: config path (absolute)}, "batch_sizes": [...], "repeats": n}."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    unknown = set(data) - {"methods", "batch_sizes", "repeats"}
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {', '.join(sorted(unknown))} (known: methods, batch_sizes, repeats)")
-    methods = data.get("methods")
-    if not isinstance(methods, dict) or not methods:
-        raise ValueError(f"{path}: methods must map each row label to an experiment config")
-    batches = data.get("batch_sizes", [1])
-    repeats = data.get("repeats", 1)
-    if not (isinstance(batches, list) and batches and all(isinstance(b, int) and b >= 1 for b in batches)):
-        raise ValueError(f"{path}: batch_sizes must be a list of integers >= 1, got {batches!r}")
-    if not (isinstance(repeats, int) and repeats >= 1):
-        raise ValueError(f"{path}: repeats must be an integer >= 1, got {repeats!r}")
-    here = Path(path).resolve().parent
-    return {"methods": {str(label): str(here / cfg) for label, cfg in methods.items()},
-            "batch_sizes": batches, "repeats": repeats}
 
 
 def smoke_overrides(config: str) -> list[str]:
@@ -107,20 +90,24 @@ def rewrite_readme(readme: Path, block: str) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("items", nargs="*", metavar="TABLE.yaml | section.key=value",
-                    help=f"a table file (default {DEFAULT_TABLE.relative_to(REPO)}) and overrides applied to every "
-                         "config")
+    ap.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
+                    help="the methods' experiment configs (default: METHODS, configs/benchmarks/) and overrides "
+                         "applied to every config")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES), help="batch sizes, one row each")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (the speedup is their median)")
     ap.add_argument("--smoke", action="store_true", help="1 prompt per dataset and 8 new tokens: checks that it runs")
     ap.add_argument("--out", type=Path, help="where results.json and results.md go (default: docs/results/"
                                              "results_table for the canonical run, else runs/benchmarks/results_table)")
     args = ap.parse_args(argv)
     paths, overrides = split_args(args.items)
-    if len(paths) > 1:
-        ap.error("name at most one table file")
-    table_path = Path(paths[0]) if paths else DEFAULT_TABLE
-    canonical = not paths and not overrides and not args.smoke and args.out is None
+    if any(b < 1 for b in args.batches) or args.repeats < 1:
+        ap.error(f"--batches and --repeats must be >= 1, got {args.batches} and {args.repeats}")
+    canonical = (not paths and not overrides and not args.smoke and args.out is None
+                 and tuple(args.batches) == BATCH_SIZES and args.repeats == 1)
+    methods = ({Path(p).stem: str(Path(p).resolve()) for p in paths} if paths
+               else {label: str(CONFIGS / name) for label, name in METHODS.items()})
+    table = {"methods": methods, "batch_sizes": args.batches, "repeats": args.repeats}
     try:
-        table = load_table(table_path)
         labels = {Path(cfg).stem: label for label, cfg in table["methods"].items()}
         configs = list(table["methods"].values())
         if args.smoke:
@@ -158,7 +145,8 @@ def main(argv=None) -> dict:
         rewrite_readme(README, f"{note}.\n\n{markdown}\n\nCommand: `{report.meta['command']}` "
                                f"({report.meta['date'][:10]}; details in docs/results/results_table/results.md).")
     else:
-        print("not the canonical run (a table file, overrides, --smoke or --out given): README.md left as it is",
+        print("not the canonical run (configs, overrides, --batches, --repeats, --smoke or --out given): README.md "
+              "left as it is",
               flush=True)
     return {"cells": all_cells}
 

@@ -171,7 +171,7 @@ def default_cost_path() -> Path:
 def measure_round_costs(run_forced, num_widths: int, repeats: int = 3, time_draft=None):
     """(round_cost [K], draft_cost): seconds per loop iteration with the width forced to each bucket (k = 0:
     the draft skipped), and what drafting adds to a round: `time_draft()` where the draft can be timed alone
-    (pure-JAX drafters: `engine.draft_seconds`), else measured as a round that drafts and verifies nothing minus
+    (pure-JAX drafters: `engine.LoopProbe.draft_seconds`), else measured as a round that drafts and verifies nothing minus
     a plain one. `run_forced(plan, refine)` runs the real compiled loop with the plan / refine decisions forced
     to those bucket indices and returns seconds per iteration.
 

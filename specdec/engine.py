@@ -495,39 +495,34 @@ class LoopProbe:
                                self.batch, 0, 0, (base, plan, refine, len(spec.verify_widths))))
         return out.metrics.decode_seconds / max(sum(out.metrics.width_rounds), 1)
 
-    def draft_seconds(self) -> float:
-        return draft_seconds(self.spec, self.target, self.drafter, self.random_prompts(), self.lengths,
-                             self.capacity)
+    def draft_seconds(self, calls: int = 4 * PROFILE_ROUNDS, repeats: int = 3) -> float:
+        """Seconds one `propose` of a pure-JAX drafter takes, timed alone in a compiled loop of `calls` drafts from
+        the prefilled random prompts (the committed length moves by one token per call, so nothing is hoisted out
+        of the loop); the median of `repeats` runs. The alternative, a drafted round that verifies nothing minus
+        a plain one, is the difference of two loop timings whose noise (~1-2 ms here) exceeds prompt lookup's
+        whole draft (~1 us): one such profile measured n-gram's draft at 14% of a round, so the adaptive width
+        stopped treating it as free (`free_draft`), and the quickstart's rewrite prompt fell from 2.13x to 1.35x
+        AR in replay."""
+        spec, target, drafter = self.spec, self.target, self.drafter
+        state = start(spec, target, drafter, target.init_cache(self.batch, self.capacity), self.random_prompts(),
+                      self.lengths, self.capacity, PROFILE_ROUNDS, 0)
 
+        @jax.jit
+        def drafts(dparams, dstate, seq, seq_len, done, key):
+            def one(i, total):
+                ctx = RoundContext(seq=seq, seq_len=jnp.maximum(seq_len - i % 8, 1), done=done)
+                draft, _ = drafter.propose(dparams, dstate, ctx, spec.sampling, jax.random.fold_in(key, i))
+                return total + jnp.sum(draft.tokens) + jnp.sum(draft.valid)
+            return jax.lax.fori_loop(0, calls, one, jnp.int32(0))
 
-def draft_seconds(spec: LoopSpec, target: Target, drafter: Drafter, tokens, lengths, capacity: int,
-                  calls: int = 4 * PROFILE_ROUNDS, repeats: int = 3) -> float:
-    """Seconds one `propose` of a pure-JAX drafter takes, timed alone in a compiled loop of `calls` drafts from
-    the prefilled prompts (the committed length moves by one token per call, so nothing is hoisted out of the
-    loop); the median of `repeats` runs. Without it `measure_round_costs` takes the difference between a
-    drafted round that verifies nothing and a plain one, two loop timings whose noise (~1-2 ms here) exceeds prompt
-    lookup's whole draft (~1 us): one profile measured n-gram's draft at 3.8 ms, 14% of a round, so the
-    adaptive width stopped treating it as free (`free_draft`) and the quickstart's rewrite prompt, replayed
-    with that profile, fell from 2.13x to 1.35x AR."""
-    state = start(spec, target, drafter, target.init_cache(len(tokens), capacity), tokens, lengths, capacity,
-                  PROFILE_ROUNDS, 0)
-
-    @jax.jit
-    def drafts(dparams, dstate, seq, seq_len, done, key):
-        def one(i, total):
-            ctx = RoundContext(seq=seq, seq_len=jnp.maximum(seq_len - i % 8, 1), done=done)
-            draft, _ = drafter.propose(dparams, dstate, ctx, spec.sampling, jax.random.fold_in(key, i))
-            return total + jnp.sum(draft.tokens) + jnp.sum(draft.valid)
-        return jax.lax.fori_loop(0, calls, one, jnp.int32(0))
-
-    args = (drafter.params, state.drafter_state, state.seq, state.seq_len, state.done, state.key)
-    jax.block_until_ready(drafts(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(drafts(*args))
-        times.append((time.perf_counter() - t0) / calls)
-    return float(np.median(times))
+        args = (drafter.params, state.drafter_state, state.seq, state.seq_len, state.done, state.key)
+        jax.block_until_ready(drafts(*args))  # compile
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(drafts(*args))
+            times.append((time.perf_counter() - t0) / calls)
+        return float(np.median(times))
 
 
 def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, tokens, lengths, capacity: int,

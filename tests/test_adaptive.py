@@ -715,13 +715,13 @@ def test_a_pure_jax_drafts_cost_is_timed_alone(tmp_path, monkeypatch):
     of two loop timings, whose noise made prompt lookup's ~1 us draft look like 14% of a round."""
     target = peaky_target(4)
     drafter = create_drafter("ngram", target, 4, max_ngram=2)
-    seen, real = [], engine.draft_seconds
+    seen, real = [], engine.LoopProbe.draft_seconds
 
     def timed_alone(*args, **kwargs):
         seen.append(real(*args, **kwargs))
         return 1.25e-6
 
-    monkeypatch.setattr(engine, "draft_seconds", timed_alone)
+    monkeypatch.setattr(engine.LoopProbe, "draft_seconds", timed_alone)
     path = tmp_path / "costs.json"
     out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=9, scheduler=AdaptiveWidth(cost_path=str(path)))
     assert out.tokens == generate(target, PROMPTS, max_new_tokens=9).tokens

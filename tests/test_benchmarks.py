@@ -138,7 +138,7 @@ def test_the_shipped_benchmark_configs_load_and_compare():
     """configs/benchmarks/: every method config loads (its scheduler knobs exist) and they share the run settings,
     so one benchmark run can compare them all."""
     folder = Path(__file__).resolve().parents[1] / "configs" / "benchmarks"
-    paths = sorted(str(p) for p in folder.glob("*.yaml") if p.stem not in ("base", "results_table"))
+    paths = sorted(str(p) for p in folder.glob("*.yaml") if p.stem != "base")
     methods = dict(load_method_configs(paths))
     assert {"ngram", "suffix", "dspark_shipped", "hybrid"} <= set(methods)
     assert methods["dspark_shipped"].drafter.path == "drafters/trained/dspark_smollm2_mix"
@@ -192,19 +192,17 @@ def test_report_writes_json_and_markdown_with_provenance(tmp_path):
 # The README's results table
 # ---------------------------------------------------------------------------------------------------------
 
-def test_the_results_table_file_names_the_benchmark_configs():
-    from benchmarks.results_table import DEFAULT_TABLE, load_table
+def test_the_results_table_names_the_benchmark_configs():
+    from benchmarks.results_table import BATCH_SIZES, CONFIGS, METHODS
 
-    table = load_table(DEFAULT_TABLE)
-    assert table["batch_sizes"] == [1, 8] and table["repeats"] == 1
-    assert [Path(p).name for p in table["methods"].values()] == ["ngram.yaml", "suffix.yaml", "dspark_shipped.yaml",
-                                                                  "hybrid.yaml"]
-    methods = load_method_configs(list(table["methods"].values()))
+    assert BATCH_SIZES == (1, 8)
+    assert list(METHODS.values()) == ["ngram.yaml", "suffix.yaml", "dspark_shipped.yaml", "hybrid.yaml"]
+    methods = load_method_configs([str(CONFIGS / name) for name in METHODS.values()])
     assert all(cfg.generation.max_new_tokens == 64 and cfg.generation.batch_size == 1 for _, cfg in methods)
 
 
 def test_the_results_table_has_a_row_per_method_and_batch_with_provenance(tmp_path):
-    from benchmarks.results_table import BEGIN, END, load_table, rewrite_readme, table_rows
+    from benchmarks.results_table import BEGIN, END, rewrite_readme, table_rows
 
     meta = {"machine": {"cpu": "Some CPU", "cores": 2}, "commit": "abc1234", "load_avg_start": [0.5, 0, 0],
             "load_avg_end": [1.25, 0, 0]}
@@ -222,11 +220,6 @@ def test_the_results_table_has_a_row_per_method_and_batch_with_provenance(tmp_pa
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="results-table"):
         rewrite_readme(readme, "| new |")
-
-    bad = tmp_path / "table.yaml"
-    bad.write_text("methods: {a: ngram.yaml}\nbatch: [1]\n")
-    with pytest.raises(ValueError, match="unknown keys batch"):
-        load_table(bad)
 
 
 def test_the_readme_has_the_results_table_markers():
