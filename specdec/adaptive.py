@@ -118,6 +118,7 @@ class AdaptiveWidth(Scheduler):
 
     kind: ClassVar[str] = "adaptive"
     may_skip: ClassVar[bool] = True
+    measured_in_loop: ClassVar[bool] = True
 
     # Each knob's value and the measurement behind it: docs/DECISIONS.md.
     decay: float = 0.9  # decay of a history count each time its position is observed (memory ~ 10 observations)

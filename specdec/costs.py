@@ -231,52 +231,67 @@ def round_costs(probe, placeholder, cost_path=None, reprofile: bool = False):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ForcedState:
-    base: object  # the wrapped scheduler's state, updated as in a real run (its work stays in the timed loop)
-    plan: jax.Array  # int32 [] the verify width to draft for (index into the loop's verify widths)
-    refine: jax.Array  # int32 [] the verify width to run
-    width_rounds: jax.Array  # int32 [K] loop iterations run at each verify width
+    base: object  # the wrapped scheduler's state, updated as in any run
+    plan: jax.Array  # int32 [] the verify width to draft for (index into the loop's verify widths); -1: base's own
+    refine: jax.Array  # int32 [] the verify width to run; -1: base's own
 
 
 @dataclasses.dataclass(frozen=True)
 class ForcedWidths(Scheduler):
-    """Measuring round costs only: `base` in the real loop with the width forced to `state.plan` / `state.refine`
-    (traced, so one compiled program times every width) and every draft node up to it verified, whatever the
-    drafter proposed (random prompts give prompt lookup no matches). `measure_round_costs`' `run_forced`."""
+    """A scheduler whose round costs are measured in the loop it runs in (`Scheduler.measured_in_loop`, the
+    adaptive width), wrapped so that one compiled program serves the measurement and the run: with
+    `state.plan` / `state.refine` >= 0 (traced: `forced`) the width is forced to those indices and every draft node
+    up to it is verified, whatever the drafter proposed (random prompts give prompt lookup no matches); with -1
+    (`init_state`) the wrapped scheduler decides, as if unwrapped. A second program for the measurement would
+    cost a compile of the whole loop (~30 s on a 2-core CPU) and its memory, per drafter and shape."""
 
     base: Scheduler
     kind: ClassVar[str] = "forced"
-    may_skip: ClassVar[bool] = True
+
+    @property
+    def may_skip(self) -> bool:
+        return self.base.may_skip
+
+    @property
+    def needs_confidence(self) -> bool:
+        return self.base.needs_confidence
 
     def verify_widths(self, num_draft_tokens: int, buckets) -> tuple[int, ...]:
         return self.base.verify_widths(num_draft_tokens, buckets)
 
+    def prepare(self, probe):
+        return self.base.prepare(probe)
+
     def init_state(self, batch: int, num_nodes: int, classes: int, measured) -> ForcedState:
-        base, plan, refine, num_widths = measured
-        return ForcedState(base=base, plan=jnp.asarray(plan, jnp.int32), refine=jnp.asarray(refine, jnp.int32),
-                           width_rounds=jnp.zeros((num_widths,), jnp.int32))
+        return ForcedState(base=self.base.init_state(batch, num_nodes, classes, measured),
+                           plan=jnp.asarray(-1, jnp.int32), refine=jnp.asarray(-1, jnp.int32))
 
     def _inner(self, state):
         return dataclasses.replace(state, sched=state.sched.base)
 
     def plan(self, spec, state):
-        return state.sched.plan
+        forced = state.sched.plan
+        return jnp.where(forced >= 0, forced, self.base.plan(spec, self._inner(state)))
 
     def refine(self, spec, state, draft, planned, drafted):
-        _, base = self.base.refine(spec, self._inner(state), draft, planned, drafted)
-        width = jnp.asarray(spec.verify_widths, jnp.int32)[state.sched.refine]
-        keep = (jnp.arange(draft.num_nodes)[None, :] < width) & drafted
-        keep = jnp.broadcast_to(keep, draft.valid.shape)
-        ran = jnp.where(drafted, state.sched.refine, 0)
-        sched = dataclasses.replace(state.sched, base=base, width_rounds=state.sched.width_rounds.at[ran].add(1))
-        return dataclasses.replace(draft, valid=keep), sched
+        chosen, base = self.base.refine(spec, self._inner(state), draft, planned, drafted)
+        forced = state.sched.refine
+        width = jnp.asarray(spec.verify_widths, jnp.int32)[jnp.maximum(forced, 0)]
+        every_node = (jnp.arange(draft.num_nodes)[None, :] < width) & drafted
+        keep = jnp.where(forced >= 0, every_node, chosen.valid)
+        return dataclasses.replace(chosen, valid=keep), dataclasses.replace(state.sched, base=base)
 
     def observe(self, spec, state, draft, depth, result, active):
         base = self.base.observe(spec, self._inner(state), draft, depth, result, active)
         return dataclasses.replace(state.sched, base=base)
 
     def skipped(self, spec, state):
-        base = self.base.skipped(spec, self._inner(state))
-        return dataclasses.replace(state.sched, base=base, width_rounds=state.sched.width_rounds.at[0].add(1))
+        return dataclasses.replace(state.sched, base=self.base.skipped(spec, self._inner(state)))
 
     def metrics(self, spec, sched) -> dict:
-        return {"verify_widths": list(spec.verify_widths), "width_rounds": np.asarray(sched.width_rounds).tolist()}
+        return self.base.metrics(spec, sched.base)
+
+
+def forced(state: ForcedState, plan: int, refine: int) -> ForcedState:
+    """`ForcedWidths`' state with the plan and refine decisions forced to those indices into the verify widths."""
+    return dataclasses.replace(state, plan=jnp.asarray(plan, jnp.int32), refine=jnp.asarray(refine, jnp.int32))

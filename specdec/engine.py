@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec import trees
-from specdec.costs import ForcedWidths
+from specdec.costs import ForcedWidths, forced
 from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, VerifyResult
 from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill_distinct
 from specdec.metrics import DecodeMetrics
@@ -432,6 +432,8 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     prompts = [list(p) for p in prompts]
     n = drafter.num_draft_tokens
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
+    if scheduler.measured_in_loop:  # its round costs are timed in this loop: one compiled program for both
+        scheduler = ForcedWidths(scheduler)
     widths = scheduler.verify_widths(n, verify_buckets)
     spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
                     eos_ids=tuple(target.eos_token_ids), scheduler=scheduler, verify_widths=widths)
@@ -481,19 +483,22 @@ class LoopProbe:
 
     def run_forced(self, plan: int, refine: int, measured) -> float:
         """Seconds per loop iteration with the plan and refine decisions forced to those indices into the verify
-        widths, every draft node up to the width verified (PROFILE_ROUNDS iterations, after a compile run).
-        `measured`: what the scheduler's `init_state` takes (any value of the right shapes: overridden)."""
-        forced = ForcedWidths(self.spec.scheduler)
-        spec = dataclasses.replace(self.spec, scheduler=forced)
+        widths, every draft node up to the width verified (PROFILE_ROUNDS iterations, after a 2-token run that
+        compiles the loop once per process); the loop's scheduler is a `specdec.costs.ForcedWidths`. `measured`:
+        what the wrapped scheduler's `init_state` takes (any value of the right shapes: its decisions are
+        overridden)."""
+        scheduler = self.spec.scheduler
+        if not isinstance(scheduler, ForcedWidths):
+            raise TypeError("run_forced needs a loop whose scheduler is wrapped in ForcedWidths "
+                            "(schedulers with measured_in_loop are)")
         fake = self.random_prompts()
-        for rounds in (2, PROFILE_ROUNDS + 1):  # compile (once per process), then time
-            base = self.spec.scheduler.init_state(self.batch, self.drafter.num_draft_tokens,
-                                                  self.drafter.evidence_classes, measured)  # fresh: donated
+        for rounds in (2, PROFILE_ROUNDS + 1):
+            state = scheduler.init_state(self.batch, self.drafter.num_draft_tokens, self.drafter.evidence_classes,
+                                         measured)  # fresh: the loop donates its state
             with self.drafter.profiling():
-                out = _run(spec, self.target, self.drafter, fake, self.lengths, self.capacity, rounds, 0,
-                           self.compiled, sched_state=forced.init_state(
-                               self.batch, 0, 0, (base, plan, refine, len(spec.verify_widths))))
-        return out.metrics.decode_seconds / max(sum(out.metrics.width_rounds), 1)
+                out = _run(self.spec, self.target, self.drafter, fake, self.lengths, self.capacity, rounds, 0,
+                           self.compiled, sched_state=forced(state, plan, refine))
+        return out.metrics.decode_seconds / max(max(map(len, out.accept_lengths)), 1)  # per loop iteration
 
     def draft_seconds(self, calls: int = 4 * PROFILE_ROUNDS, repeats: int = 3) -> float:
         """Seconds one `propose` of a pure-JAX drafter takes, timed alone in a compiled loop of `calls` drafts from

@@ -74,6 +74,9 @@ class Scheduler(Protocol):
     may_skip: ClassVar[bool] = False
     # `refine` reads the drafter's `draft_confidence` (only drafters with `has_confidence`).
     needs_confidence: ClassVar[bool] = False
+    # `prepare` times this very loop at forced widths (`engine.LoopProbe.run_forced`): the loop then runs the
+    # scheduler wrapped in `specdec.costs.ForcedWidths`, so measurement and run share one compiled program.
+    measured_in_loop: ClassVar[bool] = False
 
     def verify_widths(self, num_draft_tokens: int, buckets) -> tuple[int, ...]:
         """The draft-node counts the loop's verify step may run (`engine.bucket_widths`; () = always all N)."""
