@@ -35,6 +35,22 @@ BEGIN, END = "<!-- results-table:begin -->", "<!-- results-table:end -->"
 DATASET_NAMES = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
 
 
+MAP_COUNT = Path("/proc/sys/vm/max_map_count")
+
+
+def check_map_count(methods: int, needed: int = 200_000) -> None:
+    """Every compiled XLA:CPU program holds memory mappings, and one process compiling each method's loop for each
+    cache shape passed Linux's default limit of 65,530 (4 methods: ~38,000 mappings within batch 1; the process
+    then dies in LLVM with "Unable to allocate section memory"). Says so before the run rather than after."""
+    try:
+        limit = int(MAP_COUNT.read_text())
+    except (OSError, ValueError):
+        return
+    if methods >= 3 and limit < needed:
+        print(f"warning: vm.max_map_count is {limit}; {methods} methods in one process may need more than that "
+              f"(raise it with `sysctl -w vm.max_map_count={needed}`, or compare fewer methods per run)", flush=True)
+
+
 def smoke_overrides(config: str) -> list[str]:
     """Overrides that shrink a run to a check that it works: one prompt per dataset, 8 new tokens."""
     from specdec.config import load_config
@@ -107,6 +123,7 @@ def main(argv=None) -> dict:
     methods = ({Path(p).stem: str(Path(p).resolve()) for p in paths} if paths
                else {label: str(CONFIGS / name) for label, name in METHODS.items()})
     table = {"methods": methods, "batch_sizes": args.batches, "repeats": args.repeats}
+    check_map_count(len(methods))
     try:
         labels = {Path(cfg).stem: label for label, cfg in table["methods"].items()}
         configs = list(table["methods"].values())

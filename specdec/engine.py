@@ -432,7 +432,8 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     prompts = [list(p) for p in prompts]
     n = drafter.num_draft_tokens
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
-    if scheduler.measured_in_loop:  # its round costs are timed in this loop: one compiled program for both
+    forcing = scheduler.measured_in_loop
+    if forcing:  # its round costs are timed in this loop: one compiled program for both
         scheduler = ForcedWidths(scheduler)
     widths = scheduler.verify_widths(n, verify_buckets)
     spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
@@ -448,7 +449,13 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
         return scheduler.init_state(len(tokens), n, drafter.evidence_classes, measured)
 
     if warmup:  # the same compiled programs, run for 2 tokens
-        _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=fresh_state())
+        # Where the width can be forced, every verify width once (and a draft that verifies nothing, and the width-0
+        # loop or burst): a path first taken in the timed run compiles there (a host-side drafter's burst of plain
+        # rounds, compiled mid-run, cost suffix decoding 2.4x on MT-Bench).
+        paths = [(k, k) for k in range(len(widths))] + [(len(widths) - 1, 0)] if forcing else [None]
+        for path in paths:
+            state = fresh_state() if path is None else forced(fresh_state(), *path)
+            _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=state)
     return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round,
                 sched_state=fresh_state())
 
