@@ -31,7 +31,7 @@ from specdec.metrics import DecodeMetrics
 from specdec.models import transformer
 from specdec.models.transformer import KVCache
 from specdec.sampling import GREEDY, SamplingParams, sample
-from specdec.scheduler import FixedWidth, Scheduler, bucket_widths
+from specdec.scheduler import FixedWidth, Scheduler
 from specdec.sharding import to_host
 from specdec.target import Target
 from specdec.verify import Policy, get_policy
@@ -73,7 +73,7 @@ class LoopSpec:
     sampling: SamplingParams
     eos_ids: tuple[int, ...]
     scheduler: Scheduler = FixedWidth()  # how many draft nodes each round verifies (specdec/scheduler.py)
-    # Draft-node counts the verify step may run, ascending and ending at N (`bucket_widths`); () = always all N.
+    # Draft-node counts the verify step may run, ascending and ending at N (`scheduler.bucket_widths`); () = always all N.
     verify_widths: tuple[int, ...] = ()
 
 

@@ -79,7 +79,7 @@ class Scheduler(Protocol):
     measured_in_loop: ClassVar[bool] = False
 
     def verify_widths(self, num_draft_tokens: int, buckets) -> tuple[int, ...]:
-        """The draft-node counts the loop's verify step may run (`engine.bucket_widths`; () = always all N)."""
+        """The draft-node counts the loop's verify step may run (`bucket_widths`; () = always all N)."""
         return bucket_widths(num_draft_tokens, buckets)
 
     def prepare(self, probe) -> Any:

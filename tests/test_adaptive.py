@@ -429,9 +429,9 @@ def test_exploration_waits_until_its_cost_fits_the_budget():
     widths = (0, 1, 3)
     active = jnp.asarray([True])
     draft = Draft.chain(jnp.ones((1, 3), jnp.int32))
-    for costs, explore_max, first in (((1.0, 1.2, 2.0), 64, 10), ((1.0, 3.0, 4.0), 16, 16)):
+    for round_costs, explore_max, first in (((1.0, 1.2, 2.0), 64, 10), ((1.0, 3.0, 4.0), 16, 16)):
         sched = AdaptiveWidth(explore_every=3, explore_max=explore_max, explore_budget=0.02)
-        st = sched.init_state(1, 3, 1, (costs, 0.1))
+        st = sched.init_state(1, 3, 1, (round_costs, 0.1))
         st = dataclasses.replace(st, hits=one_class(np.zeros((1, 3))), reached=one_class(np.full((1, 3), 50.0)),
                                  drafted=jnp.full((1, 3), 50.0), drafts=jnp.full((1, 1), 50.0))
         plans = []
@@ -439,7 +439,7 @@ def test_exploration_waits_until_its_cost_fits_the_budget():
             k = sched.plan_width(st, widths, active, tree=False)
             plans.append(int(k))
             _, st = sched.refine_width(st, draft, k, k > 0, widths, active, look=True, tree=False)
-        assert plans == [0] * first + [1], (costs, plans)
+        assert plans == [0] * first + [1], (round_costs, plans)
     with pytest.raises(ValueError, match="explore_budget"):
         AdaptiveWidth(explore_budget=1.0)
 

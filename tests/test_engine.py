@@ -16,6 +16,7 @@ from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.models.config import tiny_config
 from specdec.sampling import GREEDY, SamplingParams
+from specdec.scheduler import bucket_widths
 from specdec.target import random_target
 from specdec.testing import (PROMPTS, assert_biased, assert_draft_matches_its_q, assert_lossless, distribution_target,
                              draft_fit, peaky_target, sampled_joint)
@@ -152,7 +153,7 @@ def test_narrow_verify_step_equals_the_full_step_on_its_positions():
 
     target = peaky_target(8)
     drafter = types.SimpleNamespace(taps=(1, 2))  # what target_verify reads: the taps to return
-    widths = engine.bucket_widths(4, "auto")
+    widths = bucket_widths(4, "auto")
     assert widths == (0, 1, 3, 4)
     spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=None, sampling=None,
                            eos_ids=(), verify_widths=widths)
@@ -174,9 +175,9 @@ def test_narrow_verify_step_equals_the_full_step_on_its_positions():
             np.testing.assert_allclose(got[:, start:start + t], want[:, start:start + t], rtol=1e-5, atol=1e-5)
             assert not np.any(got[:, start + t:])
     with pytest.raises(ValueError, match=r"verify.buckets.*\[0, 4\].*\[5\]"):
-        engine.bucket_widths(4, [1, 5])
-    assert engine.bucket_widths(4, None) == engine.bucket_widths(4, "none") == ()
-    assert engine.bucket_widths(7, [2]) == (2, 7)
+        bucket_widths(4, [1, 5])
+    assert bucket_widths(4, None) == bucket_widths(4, "none") == ()
+    assert bucket_widths(7, [2]) == (2, 7)
 
 
 def test_bucketed_verify_is_lossless():
@@ -422,7 +423,7 @@ def test_bucketed_verify_keeps_the_cache_out_of_the_switch(backend):
     target = random_target(tiny_config(), seed=1, backend=backend)
     drafter = types.SimpleNamespace(taps=())
     spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=None, sampling=None,
-                           eos_ids=(), verify_widths=engine.bucket_widths(4, "auto"))
+                           eos_ids=(), verify_widths=bucket_widths(4, "auto"))
     tokens = jnp.ones((2, 5), jnp.int32)
     mask, depth = trees.tree_attention(Draft.chain(tokens[:, 1:]).parents)
 
