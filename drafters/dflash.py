@@ -51,7 +51,7 @@ from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, draft_prob
 from specdec.models import transformer
 from specdec.export.registry import register_architecture
 from specdec.models.config import ModelConfig
-from specdec.sampling import probabilities, sample
+from specdec.sampling import gumbel_noise, probabilities, sample_with_probs
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
 
@@ -591,14 +591,14 @@ class DFlashDrafter(Drafter):
 
     def draw(self, params, hidden, root, sampling, key):
         """Draft tokens [B, k], their distributions ([B, k, V] or None when greedy), and the prefix survival
-        confidence [B, k]. DFlash samples every slot in parallel, one key per slot."""
+        confidence [B, k]. DFlash samples every slot in parallel, slot j at offset j with the target's noise
+        there, from exactly the q it returns (both from one processed-logits tensor)."""
         k = self.num_draft_tokens
         logits = self.head_logits(params, hidden)[:, :k]
-        keys = jax.random.split(key, k)
-        tokens = jax.vmap(lambda kk, lg: sample(kk, lg, sampling), in_axes=(0, 1), out_axes=1)(keys, logits)
-        tokens = draft_to_target(tokens, params.get("d2t"))
-        probs = None if sampling.greedy else draft_probs_to_target(
-            probabilities(logits, sampling), params.get("d2t"), self.arch.cfg.vocab_size)
+        d2t = params.get("d2t")
+        tokens, q = sample_with_probs(key, logits, sampling, jnp.arange(k, dtype=jnp.int32), ids=d2t)
+        tokens = draft_to_target(tokens, d2t)
+        probs = None if q is None else draft_probs_to_target(q, d2t, self.arch.cfg.vocab_size)
         conf = jnp.cumprod(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1), axis=-1)
         return tokens, probs, conf
 
@@ -640,7 +640,7 @@ class DFlashDrafter(Drafter):
             return self.next_logits(params, u_front, front), None
 
         root_logits = self.next_logits(params, u[:, :1], root[:, None])[:, 0]
-        draw = None if sampling is None else self.sampled_children(sampling, key)
+        draw = None if sampling is None else self.sampled_children(sampling, key, params.get("d2t"))
         draft = trees.grow_dynamic_tree(root_logits, expand, k, self.depth, self.num_draft_tokens,
                                         to_target=lambda ids: draft_to_target(ids, params.get("d2t")),
                                         best_first=True, draw=draw)
@@ -649,19 +649,20 @@ class DFlashDrafter(Drafter):
         probs = draft_probs_to_target(draft.probs, params.get("d2t"), self.arch.cfg.vocab_size)
         return dataclasses.replace(draft, probs=probs)
 
-    def sampled_children(self, sampling, key):
+    def sampled_children(self, sampling, key, d2t=None):
         """`grow_dynamic_tree`'s `draw` for a SAMPLED dynamic tree: each expanded node's `top_k` children drawn
         WITHOUT replacement from q (Gumbel top-k, in draw order), the rank-r child carrying q less its r earlier
         siblings (as in `sample_tree`). Each child is ranked by the r-th largest q at its parent, not by what it
         drew: then no node's existence depends on its own draw, its later siblings' or its subtree's (a child
         scores at most its parent and its earlier siblings, ties going to the lower index), only on the draws
         above it and beside it, and multidraft_tree's recursive rejection stays exact while the shape follows
-        q from row to row (a flat q gets siblings, a peaked one a deeper spine)."""
+        q from row to row (a flat q gets siblings, a peaked one a deeper spine). A level's children draw with the
+        target's noise at their position (`node_noise`; `d2t`: the draft vocabulary's target ids)."""
         k = self.top_k
 
-        def draw(logits, level):
+        def draw(logits, level):  # the children of the level's frontier: the tokens at offset `level`
             q = probabilities(logits, sampling)  # [B, n, Vd]
-            logq, drawn_score, ids = self.draw_without_replacement(q, k, jax.random.fold_in(key, level))
+            logq, drawn_score, ids = self.draw_without_replacement(q, k, self.node_noise(key, level, q, d2t))
             ranked = jax.lax.top_k(logq, k)[0]  # the score of the rank-r child, whatever it drew
             valid = drawn_score > -jnp.inf  # q had a token left to draw
             dists = jnp.stack([self.without_earlier_draws(q, ids[..., :r]) for r in range(k)], axis=-2)
@@ -685,7 +686,6 @@ class DFlashDrafter(Drafter):
         shape, d2t = self.sampled_shape, params.get("d2t")
         u = self.head_logits(params, hidden)  # [B, D, Vd]
         tokens, dists, valid = [None] * shape.num_nodes, [None] * shape.num_nodes, [None] * shape.num_nodes
-        keys = jax.random.split(key, shape.max_depth)
         for d in range(1, shape.max_depth + 1):  # static loop over tree depth
             nodes = [i for i in range(shape.num_nodes) if shape.depth[i] == d]
             parents = sorted({int(shape.parents[i]) for i in nodes})  # -1: the root
@@ -693,7 +693,8 @@ class DFlashDrafter(Drafter):
             u_d = jnp.broadcast_to(u[:, d - 1:d], (u.shape[0], len(parents), u.shape[-1]))
             q = probabilities(self.next_logits(params, u_d, prev), sampling)  # [B, P, Vd]
             ranks = int(shape.rank[nodes].max()) + 1
-            _, drawn_score, drawn = self.draw_without_replacement(q, ranks, keys[d - 1])  # [B, P, ranks]
+            _, drawn_score, drawn = self.draw_without_replacement(  # [B, P, ranks]
+                q, ranks, self.node_noise(key, d - 1, q, d2t))
             for i in nodes:
                 parent, r = int(shape.parents[i]), int(shape.rank[i])
                 j = parents.index(parent)
@@ -707,11 +708,20 @@ class DFlashDrafter(Drafter):
                           valid=jnp.stack(valid, axis=1))
 
     @staticmethod
-    def draw_without_replacement(q: jax.Array, k: int, key) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`k` tokens drawn without replacement from q [..., V] by the Gumbel-top-k trick, in draw order:
-        (log q, the draws' perturbed scores [..., k] (-inf: q had no token left to draw), their ids [..., k])."""
+    def node_noise(key, offset: int, q: jax.Array, d2t) -> jax.Array:
+        """The target's Gumbel noise [B, 1, Vd] at `offset` (the depth of the children drawn, minus 1) for the
+        draft vocabulary's tokens: every node's children at one depth share it, so the first child is the
+        coupled draw of Gumbel-max and the next ones are the next argmaxes (list matching)."""
+        ids = jnp.arange(q.shape[-1], dtype=jnp.int32) if d2t is None else d2t
+        return gumbel_noise(key, jnp.full((q.shape[0], 1), offset, jnp.int32), ids)
+
+    @staticmethod
+    def draw_without_replacement(q: jax.Array, k: int, gumbel: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`k` tokens drawn without replacement from q [..., V] by the Gumbel-top-k trick with the noise `gumbel`
+        (broadcast to q's shape), in draw order: (log q, the draws' perturbed scores [..., k] (-inf: q had no
+        token left to draw), their ids [..., k])."""
         logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
-        scores, ids = jax.lax.top_k(logq + jax.random.gumbel(key, q.shape), k)
+        scores, ids = jax.lax.top_k(logq + gumbel, k)
         return logq, scores, ids
 
     @staticmethod

@@ -19,7 +19,7 @@ from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
 from specdec import trees
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
-from specdec.sampling import probabilities, sample
+from specdec.sampling import sample_with_probs
 
 
 class DraftLMDrafter(Drafter):
@@ -53,20 +53,17 @@ class DraftLMDrafter(Drafter):
     def propose(self, params, cache: transformer.KVCache, ctx: RoundContext, sampling, key):
         n = self.num_draft_tokens
         root_logits, committed = self.catch_up(params, cache, ctx)
-        # 2. draft n tokens autoregressively (n - 1 more draft steps); drafted K/V sit past the committed length
-        keys = jax.random.split(key, n)
-
-        def draw(logits, k):
-            return sample(k, logits, sampling), (None if sampling.greedy else probabilities(logits, sampling))
-
-        def step(carry, k):
+        # 2. draft n tokens autoregressively (n - 1 more draft steps); drafted K/V sit past the committed length.
+        # Draft j is drawn at offset j with the target's noise there (Gumbel-max on its q): the coupling the
+        # invariant policies accept by.
+        def step(carry, j):
             cache, token = carry
             nxt = transformer.forward(params, self.cfg, cache, token[:, None])
-            new_token, q = draw(nxt.logits[:, 0], k)
+            new_token, q = sample_with_probs(key, nxt.logits[:, 0], sampling, j)
             return (nxt.cache.advance(1), new_token), (new_token, q)
 
-        first, q0 = draw(root_logits, keys[0])
-        _, (rest, q_rest) = jax.lax.scan(step, (committed, first), keys[1:])
+        first, q0 = sample_with_probs(key, root_logits, sampling, 0)
+        _, (rest, q_rest) = jax.lax.scan(step, (committed, first), jnp.arange(1, n, dtype=jnp.int32))
         drafted = jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
         probs = None if q0 is None else jnp.concatenate([q0[:, None], jnp.swapaxes(q_rest, 0, 1)], axis=1)
         return Draft.chain(drafted, probs=probs), committed

@@ -42,7 +42,7 @@ from drafters import dflash, register
 from drafters.dflash import BlockArch, DFlashDrafter, DFlashTask
 from specdec.drafter import draft_probs_to_target, draft_to_target
 from specdec.export.registry import register_architecture
-from specdec.sampling import probabilities, sample
+from specdec.sampling import sample_with_probs
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
 
@@ -227,19 +227,17 @@ class DSparkDrafter(DFlashDrafter):
         heads = params["params"]
         u = self.head_logits(params, hidden)[:, :k]  # [B, k, Vd]
         temps = confidence_temperatures(params, sampling, self.arch.drafts)[:k]
-        keys = jax.random.split(key, k)
 
-        def step(prev, inp):
-            u_j, h_j, key_j, temp_j = inp
+        def step(prev, inp):  # slot j: the token at offset j, drawn with the target's noise there from its q
+            u_j, h_j, j, temp_j = inp
             bias, e = markov_bias(heads, prev)  # W2 already restricted by `restrict_vocab`
-            logits = u_j + bias
-            tok = draft_to_target(sample(key_j, logits, sampling), d2t)
-            q = jnp.zeros((), jnp.float32) if sampling.greedy else draft_probs_to_target(
-                probabilities(logits, sampling), d2t, vocab)
+            ids, q = sample_with_probs(key, u_j + bias, sampling, j, ids=d2t)
+            tok = draft_to_target(ids, d2t)
+            q = jnp.zeros((), jnp.float32) if q is None else draft_probs_to_target(q, d2t, vocab)
             c = jax.nn.sigmoid(confidence_logit(heads, h_j, e) / temp_j)
             return tok, (tok, q, c)
 
-        xs = (jnp.swapaxes(u, 0, 1), jnp.swapaxes(hidden[:, :k], 0, 1), keys, temps)
+        xs = (jnp.swapaxes(u, 0, 1), jnp.swapaxes(hidden[:, :k], 0, 1), jnp.arange(k, dtype=jnp.int32), temps)
         _, (tokens, probs, conf) = jax.lax.scan(step, root, xs)
         probs = None if sampling.greedy else jnp.swapaxes(probs, 0, 1)
         return jnp.swapaxes(tokens, 0, 1), probs, jnp.cumprod(jnp.swapaxes(conf, 0, 1), axis=-1)

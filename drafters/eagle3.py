@@ -44,7 +44,7 @@ from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, draft_prob
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.export.registry import register_architecture
-from specdec.sampling import probabilities, sample
+from specdec.sampling import sample_with_probs
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
 
@@ -351,13 +351,13 @@ class Eagle3Drafter(Drafter):
     def _to_target(self, params, ids):
         return draft_to_target(ids, params.get("d2t"))
 
-    def _draw(self, params, logits, sampling, key):
-        """Sample a draft token (target ids) and its distribution over the target vocabulary (None: greedy)."""
-        tok = self._to_target(params, sample(key, logits, sampling))
-        if sampling.greedy:
-            return tok, None
-        q = probabilities(logits, sampling)
-        return tok, draft_probs_to_target(q, params.get("d2t"), self.arch.cfg.vocab_size)
+    def _draw(self, params, logits, sampling, key, offset):
+        """Sample a draft token (target ids) at `offset` with the target's noise for each token, and its
+        distribution over the target vocabulary (None: greedy)."""
+        d2t = params.get("d2t")
+        ids, q = sample_with_probs(key, logits, sampling, offset, ids=d2t)
+        tok = self._to_target(params, ids)
+        return tok, None if q is None else draft_probs_to_target(q, d2t, self.arch.cfg.vocab_size)
 
     def cache_slack(self) -> int:
         """Draft cache slots past the engine's `capacity`: room for the drafted positions of a round."""
@@ -401,16 +401,16 @@ class Eagle3Drafter(Drafter):
     def propose(self, params, state: Eagle3State, ctx: RoundContext, sampling, key):
         n = self.num_draft_tokens
         h_root, committed = self.catch_up(params, state, ctx)
-        keys = jax.random.split(key, n)
-        first, q0 = self._draw(params, self._logits(params, h_root), sampling, keys[0])
+        first, q0 = self._draw(params, self._logits(params, h_root), sampling, key, 0)
 
-        def step(carry, k):
+        def step(carry, j):
             cache, token, h_prev = carry
             logits, h, cache = self.draft_step(params, cache, token, h_prev)
-            tok, q = self._draw(params, logits, sampling, k)
+            tok, q = self._draw(params, logits, sampling, key, j)
             return (cache, tok, h), (tok, q)
 
-        (cache, _, _), (rest, q_rest) = jax.lax.scan(step, (committed, first, h_root), keys[1:])
+        (cache, _, _), (rest, q_rest) = jax.lax.scan(step, (committed, first, h_root),
+                                                     jnp.arange(1, n, dtype=jnp.int32))
         drafted = jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
         probs = None if q0 is None else jnp.concatenate([q0[:, None], jnp.swapaxes(q_rest, 0, 1)], axis=1)
         # drafted K/V sit past the committed length; the next catch-up overwrites them

@@ -33,7 +33,7 @@ from drafters import register
 from specdec import trees
 from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
 from specdec.models import transformer
-from specdec.sampling import probabilities, sample
+from specdec.sampling import sample_with_probs
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
 
@@ -190,8 +190,10 @@ class MedusaDrafter(Drafter):
         logits = self.heads(params, last)[:, : self.num_draft_tokens]  # [B, N, V]
         if sampling.greedy:
             return Draft.chain(jnp.argmax(logits, -1).astype(jnp.int32)), last
-        tokens = sample(key, logits, sampling)  # each head's draft is independent of the earlier ones
-        return Draft.chain(tokens, probs=probabilities(logits, sampling)), last
+        # head j drafts the token at offset j, with the target's noise there (each head's draft is independent of
+        # the earlier ones)
+        tokens, probs = sample_with_probs(key, logits, sampling, jnp.arange(logits.shape[1], dtype=jnp.int32))
+        return Draft.chain(tokens, probs=probs), last
 
     def update(self, params, last, ctx: RoundContext, result, taps):
         m = result.num_accepted

@@ -119,6 +119,8 @@ def cmd_generate(args) -> int:
         policy = args.policy or ("greedy_tree" if drafter.kind == "tree" else "greedy_chain")
         if not sampling.greedy and get_policy(policy).greedy_only:
             policy = "multidraft_tree" if drafter.kind == "tree" else "rejection_chain"
+        if drafter.kind == "tree" and get_policy(policy).tree_counterpart:  # the same rule on a tree, as configs do
+            policy = get_policy(policy).tree_counterpart
         scheduler = AdaptiveWidth() if args.scheduler == "adaptive" else None
         out = speculative_generate(target, drafter, prompts, policy=policy, max_new_tokens=args.max_new_tokens,
                                    sampling=sampling, seed=args.seed, warmup=args.warmup, scheduler=scheduler)

@@ -30,7 +30,7 @@ from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, 
 from specdec.metrics import DecodeMetrics
 from specdec.models import transformer
 from specdec.models.transformer import KVCache
-from specdec.sampling import GREEDY, SamplingParams, sample
+from specdec.sampling import GREEDY, SampleKey, SamplingParams, as_sample_key, sample, sample_key
 from specdec.scheduler import FixedWidth, Scheduler
 from specdec.sharding import to_host
 from specdec.target import Target
@@ -48,7 +48,7 @@ class LoopState:
     done: jax.Array  # bool [B]
     limit: jax.Array  # int32 [B] max new tokens per row (traced, so a 1-token warm-up compiles the same loop)
     drafter_state: Any
-    key: jax.Array
+    key: SampleKey  # the run's seed and row ids; a round draws at its rows' positions (`round_key`)
     # metric counters
     rounds: jax.Array  # int32 [B] rounds in which the row was active
     accepted: jax.Array  # int32 [B] accepted draft tokens that were committed (see verify_and_commit)
@@ -86,20 +86,18 @@ def _context(state: LoopState) -> RoundContext:
     return RoundContext(seq=state.seq, seq_len=state.seq_len, done=state.done)
 
 
-@jax.jit
-def _split_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """jax.random.split into (key, sub) as one compiled call: the host-stepped loop calls `propose` eagerly, where
-    splitting and unpacking ran an op each (~1.5 ms a round); traced in a compiled loop it is the same split."""
-    key, sub = jax.random.split(key)
-    return key, sub
+def round_key(state: LoopState) -> SampleKey:
+    """The randomness of a round, keyed by position, never by the round: offset 0 is the position after the root
+    (the first draft node, the target's token at the root), so a node at depth d draws at offset d - 1 and AR's
+    token at a position is the target's sample there whatever the rounds around it were."""
+    return state.key.at(state.seq_len)
 
 
 def propose(spec: LoopSpec, dparams, state: LoopState, planned=None):
     """Step 1: the scheduler plans a verify width, the drafter drafts (or, where the scheduler may skip and the
     plan is width 0, does not), and the scheduler cuts the draft to the nodes to verify. `planned`: the plan for
     this state, when the host-stepped loop has already made it (`loop_status`)."""
-    key, sub = _split_key(state.key)
-    state = dataclasses.replace(state, key=key)
+    sub = round_key(state)
     drafter, scheduler = spec.drafter, spec.scheduler
 
     def run():
@@ -233,7 +231,7 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, w
     """Steps 2-5 minus the drafter update. Returns (state, VerifyResult, target taps). A static `width` runs
     that verify width without the bucket switch (the draft must have no valid node past it)."""
     batch, num_nodes = draft.tokens.shape
-    key, sub = jax.random.split(state.key)
+    sub = round_key(state)
 
     def judge(logits, nodes: int):
         """Step 3 on the logits of the root and the draft's first `nodes` nodes (no valid node lies past them)."""
@@ -288,7 +286,7 @@ def verify_and_commit(spec: LoopSpec, tparams, state: LoopState, draft: Draft, w
     act = active[:, None].astype(jnp.int32)
     rows = jnp.arange(batch)
     state = dataclasses.replace(
-        state, cache=cache, seq=seq, seq_len=seq_len, num_new=num_new, done=done, key=key,
+        state, cache=cache, seq=seq, seq_len=seq_len, num_new=num_new, done=done,
         rounds=state.rounds + active.astype(jnp.int32),
         accepted=state.accepted + kept,
         proposed=state.proposed + jnp.where(active, jnp.sum(draft.valid, axis=1), 0).astype(jnp.int32),
@@ -312,8 +310,7 @@ def plain_round(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, upda
     no bucket switch. `shapes`: the drafter's draft, as `jax.eval_shape` of its propose gives it.
     `update_drafter=False` (host-side drafters, whose update cannot run in a compiled loop): no update; the
     caller updates once after a run of such rounds (`Drafter.syncs_from_context`)."""
-    key, _ = jax.random.split(state.key)  # what `propose` would have used: the same stream of keys
-    state = dataclasses.replace(state, key=key, sched=spec.scheduler.skipped(spec, state))
+    state = dataclasses.replace(state, sched=spec.scheduler.skipped(spec, state))
     state, result, taps = verify_and_commit(spec, tparams, state, empty_draft(shapes), width=0)
     return update(spec, dparams, state, result, taps) if update_drafter else state
 
@@ -350,7 +347,7 @@ def compiled_loop(spec: LoopSpec, tparams, dparams, state: LoopState) -> LoopSta
         if spec.scheduler.may_skip and spec.drafter.skippable:
             # while the adaptive width would skip the draft, run plain decode steps in a loop of their own
             shapes = jax.eval_shape(lambda: spec.drafter.propose(dparams, state.drafter_state, _context(state),
-                                                                 spec.sampling, state.key)[0])
+                                                                 spec.sampling, round_key(state))[0])
             state = plain_rounds(spec, tparams, dparams, state, shapes)
         return state
 
@@ -367,8 +364,8 @@ _jit_update = jax.jit(update, static_argnames=("spec",), donate_argnames=("state
 @functools.partial(jax.jit, static_argnames=("spec", "capacity"))
 def _initial_state(spec: LoopSpec, tokens, lengths, first_logits, cache, key, limit, *, capacity: int):
     batch = tokens.shape[0]
-    key, sub = jax.random.split(key)
-    first = sample(sub, first_logits, spec.sampling)
+    key = as_sample_key(key, batch)
+    first = sample(key.at(lengths), first_logits, spec.sampling)  # the token at position `lengths`, as AR's
     seq = jnp.zeros((batch, capacity), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
     seq = seq.at[jnp.arange(batch), lengths].set(first)
     eos = jnp.asarray(spec.eos_ids or (NO_EOS,), jnp.int32)
@@ -523,7 +520,7 @@ class LoopProbe:
         def drafts(dparams, dstate, seq, seq_len, done, key):
             def one(i, total):
                 ctx = RoundContext(seq=seq, seq_len=jnp.maximum(seq_len - i % 8, 1), done=done)
-                draft, _ = drafter.propose(dparams, dstate, ctx, spec.sampling, jax.random.fold_in(key, i))
+                draft, _ = drafter.propose(dparams, dstate, ctx, spec.sampling, key.at(ctx.seq_len))
                 return total + jnp.sum(draft.tokens) + jnp.sum(draft.valid)
             return jax.lax.fori_loop(0, calls, one, jnp.int32(0))
 
@@ -544,7 +541,7 @@ def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, toke
     logits, taps, cache = prefill_distinct(target.params, cache, tokens, lengths, forward=target.forward,
                                            cfg=target.cfg, taps=drafter.taps)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    first, state = _initial_state(spec, tokens, lengths, logits, cache, jax.random.PRNGKey(seed), limit,
+    first, state = _initial_state(spec, tokens, lengths, logits, cache, sample_key(seed, len(tokens)), limit,
                                   capacity=capacity)
     prompt = PromptInfo(tokens=tokens, lengths=lengths, taps=taps, first_token=first)
     return dataclasses.replace(state, drafter_state=drafter.init(drafter.params, prompt, capacity), sched=sched_state)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.models.transformer import KVCache, init_cache
-from specdec.sampling import GREEDY, SamplingParams, processed_logits, sample
+from specdec.sampling import GREEDY, SamplingParams, as_sample_key, processed_logits, sample, sample_key
 from specdec.sharding import to_host
 from specdec.target import Target
 
@@ -110,16 +110,18 @@ def _copy_rows(cache: KVCache, small: KVCache, logits, taps, source):
                    donate_argnames=("cache",))
 def decode_loop(params, cache: KVCache, first_logits, key, limit, *, forward: Callable, cfg,
                 sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...]):
-    """Sample up to `limit` (<= max_new_tokens, traced) tokens per row inside one while_loop.
+    """Sample up to `limit` (<= max_new_tokens, traced) tokens per row inside one while_loop. `key`: a
+    `specdec.sampling.SampleKey` (its `start` unused): the token at position t of row r is drawn with the noise of
+    (seed, r, t), which speculative decoding's invariant policies reproduce token for token.
     Returns (tokens [B, max_new_tokens] -1 padded, counts [B], cache). The cache is donated and returned so
     the loop updates it in place instead of copying every layer's buffers on entry."""
     batch = first_logits.shape[0]
     eos = jnp.asarray(eos_ids or (NO_EOS,), jnp.int32)
+    key = as_sample_key(key, batch)
 
     def emit(state, logits):
         out, count, done, key, cache = state
-        key, sub = jax.random.split(key)
-        token = sample(sub, logits, sampling)
+        token = sample(key.at(cache.lengths), logits, sampling)  # the token lands at position cache.lengths
         out = out.at[jnp.arange(batch), jnp.minimum(count, max_new_tokens - 1)].set(
             jnp.where(done, out[jnp.arange(batch), jnp.minimum(count, max_new_tokens - 1)], token))
         count = count + (~done).astype(jnp.int32)
@@ -164,7 +166,8 @@ class GenerationOutput:
 def generate(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
              sampling: SamplingParams = GREEDY, seed: int = 0, max_seq_len: int | None = None,
              warmup: bool = False) -> GenerationOutput:
-    """Autoregressive generation for a batch of token-id prompts of any lengths.
+    """Autoregressive generation for a batch of token-id prompts of any lengths. Sampled tokens are keyed by
+    (seed, the prompt's index in `prompts`, absolute position): `specdec.sampling.SampleKey`.
 
     `warmup=True` first runs the same compiled programs for two tokens (untimed), so the reported times
     exclude compilation."""
@@ -184,7 +187,7 @@ def _generate(target, tokens, lengths, max_new_tokens, limit, sampling, seed) ->
                                         cfg=target.cfg)
     logits.block_until_ready()
     t1 = time.perf_counter()
-    out, counts, _ = decode_loop(target.params, cache, logits, jax.random.PRNGKey(seed), jnp.int32(limit),
+    out, counts, _ = decode_loop(target.params, cache, logits, sample_key(seed, len(tokens)), jnp.int32(limit),
                               forward=target.forward,
                               cfg=target.cfg, sampling=sampling, max_new_tokens=max_new_tokens,
                               eos_ids=tuple(target.eos_token_ids))

@@ -1,8 +1,14 @@
-"""Sampling settings and the logits -> distribution transform shared by AR decoding and verification.
+"""Sampling settings, the logits -> distribution transform, and the keyed randomness every draw shares.
 
 Lossless speculative sampling requires applying the same transform (temperature, top-k, top-p) to the target
 and the draft distributions before the acceptance test; every caller goes through `probabilities` here.
 `temperature == 0` means greedy: the distribution is the one-hot argmax.
+
+Every random draw of decoding (AR's token, a drafter's token, a verification policy's test) takes its noise
+from `noise_bits`: a pure function of (seed, row, absolute position, token id, stream), never of the round
+that draws it. A token at position t of row r is sampled by Gumbel-max over the processed logits with the
+noise of (seed, r, t) (`sample`), so AR decoding and speculative decoding with an `invariant_*` policy commit
+the same token whatever the drafter, the verify width or the batch (specdec/verify/invariant.py).
 """
 
 from __future__ import annotations
@@ -111,8 +117,122 @@ def probabilities(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     return jax.nn.softmax(processed_logits(logits, sp), axis=-1)
 
 
-def sample(key: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
-    """Draw token ids [...] from logits [..., V]."""
+# ---------------------------------------------------------------------------------------------------------
+# Keyed randomness: the noise of a draw is a function of (seed, row, absolute position, token id, stream)
+# ---------------------------------------------------------------------------------------------------------
+
+# Streams: the noise AR, the invariant policies and the drafters share (a drafter that draws with the target's
+# noise agrees with the target's sample as often as the coupling allows); the rejection policies' correction /
+# bonus draws and their acceptance tests, each independent of the draft they judge and of each other.
+SAMPLE_STREAM = 0
+CORRECTION_STREAM = 1
+TEST_STREAM = 2
+_STREAM_SALT = (0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleKey:
+    """Whose draws these are: the run's seed, each row's identity and the absolute position of the first token
+    a call draws (offset 0; a draft node at depth d draws at offset d - 1, a verify position i at offset i).
+
+    `rows` is each row's index in the caller's prompt list (`generate` / `speculative_generate` number the
+    prompts 0..B-1 in the order given), so a prompt's sampled text depends on its seed, its place in the list
+    and its tokens, never on the verify widths or drafts of a run. Positions are sequence indices: the first
+    generated token of a prompt of length P sits at position P."""
+
+    seed: jax.Array  # uint32 []
+    rows: jax.Array  # int32 [B]
+    start: jax.Array  # int32 [B] the absolute position of offset 0
+
+    def at(self, start: jax.Array) -> "SampleKey":
+        return SampleKey(seed=self.seed, rows=self.rows, start=jnp.asarray(start, jnp.int32))
+
+
+def sample_key(seed: int, batch: int, start=0) -> SampleKey:
+    """The key of a run with `seed` over `batch` prompts (rows 0..batch-1)."""
+    return SampleKey(seed=jnp.uint32(int(seed) % 2**32), rows=jnp.arange(batch, dtype=jnp.int32),
+                     start=jnp.broadcast_to(jnp.asarray(start, jnp.int32), (batch,)))
+
+
+def as_sample_key(key, batch: int) -> SampleKey:
+    """`key` as a SampleKey: a SampleKey is returned as is; a `jax.random` key stands for the seed drawn from it
+    with rows 0..batch-1 at position 0 (unit tests and the policy harness hand policies plain keys)."""
+    if isinstance(key, SampleKey):
+        return key
+    return SampleKey(seed=jax.random.bits(key, (), jnp.uint32), rows=jnp.arange(batch, dtype=jnp.int32),
+                     start=jnp.zeros((batch,), jnp.int32))
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """A bijective avalanche mix of uint32 (Wellons' lowbias32): every input bit flips each output bit with
+    probability ~1/2. Integer ops only: cheap to compile on XLA:CPU, unlike a threefry call per draw."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x21F0AAAD)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0xD35A2D97)
+    return x ^ (x >> 15)
+
+
+def noise_bits(seed, rows, positions, ids, stream: int = SAMPLE_STREAM) -> jax.Array:
+    """uint32 bits of (seed, row, position, id) in `stream`, broadcast over the arguments' shapes. For a fixed
+    (seed, row, position) distinct ids get distinct bits (each step is a bijection)."""
+    u32 = lambda a: jnp.asarray(a).astype(jnp.uint32)  # noqa: E731
+    x = _mix(u32(seed) ^ jnp.uint32(_STREAM_SALT[stream]))
+    x = _mix(x ^ u32(rows))
+    x = _mix(x ^ u32(positions))
+    return _mix(_mix(x ^ u32(ids)))
+
+
+def bits_to_uniform(bits: jax.Array) -> jax.Array:
+    """uint32 -> float32 in (0, 1): w = (bits + 1/2) / 2^32, kept below 1."""
+    w = bits.astype(jnp.float32) * jnp.float32(2.0 ** -32) + jnp.float32(2.0 ** -33)
+    return jnp.minimum(w, jnp.float32(1.0 - 2.0 ** -24))
+
+
+def gumbel_noise(key: SampleKey, offsets: jax.Array, ids, stream: int = SAMPLE_STREAM) -> jax.Array:
+    """Gumbel(0, 1) noise [B, ..., V] for the tokens `ids` [V] at positions key.start + offsets (int [B, ...]).
+    The one noise source of every sampled token.
+
+    g = -log(-log1p(-w)): the exponential variate -log1p(-w) keeps full relative precision where it is small,
+    which is where the largest Gumbel values (the ones an argmax picks) come from."""
+    offsets = jnp.asarray(offsets, jnp.int32)
+    lead = (-1,) + (1,) * (offsets.ndim - 1)
+    positions = key.start.reshape(lead) + offsets
+    w = bits_to_uniform(noise_bits(key.seed, key.rows.reshape(lead)[..., None], positions[..., None],
+                                   jnp.asarray(ids), stream))
+    return -jnp.log(-jnp.log1p(-w))
+
+
+def verify_uniforms(key: SampleKey, offsets, slots) -> jax.Array:
+    """U(0, 1) [B, N] for a rejection policy's tests: node `slots` [N] at position key.start + offsets [B, N]
+    (its own slot, so siblings at one position get independent tests), in the test stream."""
+    rows = key.rows[:, None]
+    positions = key.start[:, None] + jnp.asarray(offsets, jnp.int32)
+    return bits_to_uniform(noise_bits(key.seed, rows, positions, jnp.asarray(slots), TEST_STREAM))
+
+
+def _vocab_ids(logits: jax.Array, ids) -> jax.Array:
+    return jnp.arange(logits.shape[-1], dtype=jnp.int32) if ids is None else ids
+
+
+def sample_with_probs(key, logits: jax.Array, sp: SamplingParams, offsets=0, ids=None):
+    """Token ids [B, ...] drawn from logits [B, ..., V] at positions key.start + offsets (broadcast to [B, ...]:
+    a scalar, per-node [N], or per row and node [B, N]) by Gumbel-max over the
+    processed logits, and the distribution they were drawn from (softmax of the same processed logits; None
+    when greedy). `ids` [V]: the target token ids of the V logits (a reduced draft vocabulary), so a drafter's
+    noise for a token is the target's noise for it. The token always has positive probability in the returned
+    q: both come from one processed tensor."""
     if sp.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, processed_logits(logits, sp), axis=-1).astype(jnp.int32)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    key = as_sample_key(key, logits.shape[0])
+    offsets = jnp.broadcast_to(jnp.asarray(offsets, jnp.int32), logits.shape[:-1])
+    z = processed_logits(logits, sp)
+    tokens = jnp.argmax(z + gumbel_noise(key, offsets, _vocab_ids(logits, ids)), axis=-1).astype(jnp.int32)
+    return tokens, jax.nn.softmax(z, axis=-1)
+
+
+def sample(key, logits: jax.Array, sp: SamplingParams, offsets=0, ids=None) -> jax.Array:
+    """Draw token ids [B, ...] from logits [B, ..., V] at positions key.start + offsets (a `SampleKey`, or a
+    `jax.random` key: `as_sample_key`). Greedy: the argmax. The AR sample at a position is this draw."""
+    return sample_with_probs(key, logits, sp, offsets, ids)[0]

@@ -399,8 +399,8 @@ class _RankedByItsDraw(dspark.DSparkDrafter):
     """A mutant of the dynamic sampled tree: each child ranked by the q of the token it DREW, so whether a node
     exists depends on its own draw (a likely draw survives the cut, an unlikely one is dropped)."""
 
-    def sampled_children(self, sampling, key):
-        honest = super().sampled_children(sampling, key)
+    def sampled_children(self, sampling, key, d2t=None):
+        honest = super().sampled_children(sampling, key, d2t)
 
         def draw(logits, level):
             scores, ids, dists, valid = honest(logits, level)

@@ -385,9 +385,10 @@ def test_typical_is_declared_lossy():
 # ----------------------------------------------------------------------------------------------------------
 
 def test_registry_flags_and_errors():
-    assert set(POLICY_NAMES) == {"greedy_chain", "rejection_chain", "greedy_tree", "multidraft_tree", "typical"}
-    assert not get_policy("greedy_chain").supports_trees and not get_policy("rejection_chain").supports_trees
-    assert get_policy("greedy_tree").supports_trees and get_policy("multidraft_tree").supports_trees
+    assert set(POLICY_NAMES) == {"greedy_chain", "rejection_chain", "greedy_tree", "multidraft_tree", "typical",
+                                 "invariant_chain", "invariant_tree"}
+    assert not any(get_policy(n).supports_trees for n in ("greedy_chain", "rejection_chain", "invariant_chain"))
+    assert all(get_policy(n).supports_trees for n in ("greedy_tree", "multidraft_tree", "invariant_tree"))
     with pytest.raises(ValueError, match="allowed: greedy_chain, rejection_chain"):
         get_policy("nucleus")
     with pytest.raises(ValueError, match="no option"):

@@ -2,8 +2,8 @@
 
 Every policy has the signature `verify(draft, target_logits, sampling, key) -> VerifyResult` (see base.py;
 `Draft` and `VerifyResult` live in specdec/drafter.py); pick one by name with `get_policy`. Lossless
-policies: greedy_chain, greedy_tree (greedy decoding only), rejection_chain, multidraft_tree. Lossy: typical
-(Medusa).
+policies: greedy_chain, greedy_tree (greedy decoding only), rejection_chain, multidraft_tree (the target's
+distribution), invariant_chain, invariant_tree (AR's very tokens for the seed). Lossy: typical (Medusa).
 """
 
 from specdec.verify.base import Policy

@@ -2,9 +2,11 @@
 
 A drafter proposes a `Draft` (a chain or a tree of tokens, with the draft distributions they were drawn
 from); the target scores all of it in one forward; a policy turns (draft, target logits, sampling params,
-rng key) into a `VerifyResult`: how many draft tokens each row keeps, the committed tokens (the accepted
+key) into a `VerifyResult`: how many draft tokens each row keeps, the committed tokens (the accepted
 ones plus one correction / bonus token from the target), and which tree nodes were accepted (the engine
-needs that to compact the KV cache and update the drafter). `Draft` and `VerifyResult` are the drafter's
+needs that to compact the KV cache and update the drafter). The key is a `specdec.sampling.SampleKey`: the
+seed, the rows' ids and the absolute position of the root's successor, so every random draw of a policy is
+keyed by (row, position), never by the round (a plain `jax.random` key stands for a seed, rows 0..B-1 at 0). `Draft` and `VerifyResult` are the drafter's
 contract too and live beside the Drafter protocol (specdec/drafter.py); each policy module declares its own
 `Policy` objects, and registry.py lists them.
 
@@ -20,8 +22,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from specdec import trees
 from specdec.drafter import Draft, VerifyResult
-from specdec.sampling import SamplingParams
+from specdec.sampling import CORRECTION_STREAM, SamplingParams, as_sample_key, gumbel_noise, verify_uniforms
 
 VerifyFn = Callable[..., VerifyResult]
 
@@ -51,9 +54,9 @@ class Policy:
         merged = {**allowed, **{k: float(v) for k, v in options.items()}}
         return dataclasses.replace(self, options=tuple(sorted(merged.items())))
 
-    def verify(self, draft: Draft, target_logits: jax.Array, sampling: SamplingParams,
-               key: jax.Array) -> VerifyResult:
-        """target_logits: float32 [B, N+1, V]; index 0 is at the root, index i+1 at node i."""
+    def verify(self, draft: Draft, target_logits: jax.Array, sampling: SamplingParams, key) -> VerifyResult:
+        """target_logits: float32 [B, N+1, V]; index 0 is at the root, index i+1 at node i. key: a
+        `specdec.sampling.SampleKey` (offset 0 = the position after the root), or a `jax.random` key."""
         b, n = draft.tokens.shape
         if n == 0:
             raise ValueError(f"{self.name}: a draft needs at least one node (a row that proposes nothing "
@@ -78,18 +81,29 @@ def require_greedy(name: str, sampling: SamplingParams) -> None:
                          "use 'rejection_chain' or 'multidraft_tree' to verify sampled drafts losslessly")
 
 
-def round_noise(key: jax.Array, batch_size: int, num_nodes: int, vocab_size: int) -> tuple[jax.Array, jax.Array]:
-    """All the randomness of one verification round, from a single `jax.random.uniform` call.
+def node_offsets(parents: jax.Array) -> jax.Array:
+    """Each node's draw offset [B, N]: its depth below the root minus 1 (a node at depth d is the token at
+    position key.start + d - 1; see `specdec.sampling.SampleKey`)."""
+    return jnp.sum(trees.ancestor_matrix(parents), axis=2, dtype=jnp.int32) - 1
 
-    Returns the U(0, 1) variables of the acceptance tests, [B, N] (one per node, so per row and position),
-    and Gumbel noise [B, V] for the final correction / bonus draw. Why one flat draw rather than a key per
-    row and per purpose: on XLA:CPU each threefry call costs seconds of compile time, and a multi-dimensional
-    (or vmapped) one several times more than a 1-D one; the values are equally random either way.
-    """
-    width = num_nodes + vocab_size
-    u = jax.random.uniform(key, (batch_size * width,), minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
-    u = u.reshape(batch_size, width)
-    return u[:, :num_nodes], -jnp.log(-jnp.log(u[:, num_nodes:]))
+
+def rejection_noise(key, draft: Draft, offsets: jax.Array | None = None) -> jax.Array:
+    """The U(0, 1) variables of a rejection policy's acceptance tests [B, N]: node i's at its own position and
+    slot, in the test stream (`specdec.sampling.verify_uniforms`), so they are independent of the draft the
+    drafters drew with the sample stream and of the correction draw, and siblings at one position get
+    independent tests. A position's
+    variables decide only the round that commits that position, so reusing them by position is as fresh as a
+    new key per round."""
+    key = as_sample_key(key, draft.batch_size)
+    offsets = node_offsets(draft.parents) if offsets is None else offsets
+    return verify_uniforms(key, offsets, jnp.arange(draft.num_nodes, dtype=jnp.int32))
+
+
+def correction_noise(key, offsets: jax.Array, vocab_size: int) -> jax.Array:
+    """Gumbel noise [B, V] for a rejection policy's correction / bonus draw at offset `offsets` [B] (the position
+    after the accepted path), in the correction stream."""
+    key = as_sample_key(key, offsets.shape[0])
+    return gumbel_noise(key, offsets, jnp.arange(vocab_size, dtype=jnp.int32), CORRECTION_STREAM)
 
 
 def final_sample(gumbel: jax.Array, dist: jax.Array) -> jax.Array:

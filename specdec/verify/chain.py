@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 from specdec.sampling import SamplingParams, probabilities
 from specdec.drafter import Draft, VerifyResult
-from specdec.verify.base import Policy, commit, final_sample, require_greedy, residual, round_noise
+from specdec.verify.base import (Policy, commit, correction_noise, final_sample, rejection_noise, require_greedy,
+                                 residual)
 
 
 def _leading_true(ok: jax.Array) -> jax.Array:
@@ -57,7 +58,7 @@ def rejection_chain(draft: Draft, target_logits: jax.Array, sampling: SamplingPa
     p_x = jnp.take_along_axis(p[:, :n], draft.tokens[..., None], axis=-1)[..., 0]  # [B, N]
     q_x = draft.token_probs()
 
-    u, gumbel = round_noise(key, b, n, vocab)
+    u = rejection_noise(key, draft, jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)))
     # u < p/q, written without the division so q(x) = 0 (a token the draft could not have drawn) cannot NaN.
     accepted = draft.valid & (u * q_x < p_x)
     num_accepted = _leading_true(accepted)
@@ -66,7 +67,7 @@ def rejection_chain(draft: Draft, target_logits: jax.Array, sampling: SamplingPa
     was_rejected = (num_accepted < n) & draft.valid[rows, stop]
     p_stop = p[rows, num_accepted]
     dist = jnp.where(was_rejected[:, None], residual(p_stop, draft.dist_at(stop, vocab)), p_stop)
-    return _chain_result(draft, num_accepted, final_sample(gumbel, dist))
+    return _chain_result(draft, num_accepted, final_sample(correction_noise(key, num_accepted, vocab), dist))
 
 
 GREEDY_CHAIN = Policy("greedy_chain", lossless=True, supports_trees=False, greedy_only=True, impl=greedy_chain,

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from specdec.verify.base import Policy
 from specdec.verify.chain import GREEDY_CHAIN, REJECTION_CHAIN
+from specdec.verify.invariant import INVARIANT_CHAIN, INVARIANT_TREE
 from specdec.verify.tree import GREEDY_TREE, MULTIDRAFT_TREE
 from specdec.verify.typical import TYPICAL
 
 _POLICIES: dict[str, Policy] = {p.name: p for p in (GREEDY_CHAIN, REJECTION_CHAIN, GREEDY_TREE, MULTIDRAFT_TREE,
-                                                    TYPICAL)}
+                                                    TYPICAL, INVARIANT_CHAIN, INVARIANT_TREE)}
 
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
 

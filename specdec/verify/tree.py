@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from specdec import trees
 from specdec.sampling import SamplingParams, probabilities
 from specdec.drafter import Draft, VerifyResult
-from specdec.verify.base import Policy, commit, final_sample, require_greedy, residual, round_noise
+from specdec.verify.base import (Policy, commit, correction_noise, final_sample, rejection_noise, require_greedy,
+                                 residual)
 
 
 def longest_accepted_path(parents: jax.Array, accepted: jax.Array,
@@ -82,7 +83,7 @@ def multidraft_tree(draft: Draft, target_logits: jax.Array, sampling: SamplingPa
     rows = jnp.arange(b)
     p = probabilities(target_logits, sampling)  # [B, N+1, V]
     q_x = draft.token_probs()
-    u, gumbel = round_noise(key, b, n, vocab)
+    u = rejection_noise(key, draft)
 
     def visit(i, state):
         current, dist, num_accepted, path = state
@@ -98,7 +99,7 @@ def multidraft_tree(draft: Draft, target_logits: jax.Array, sampling: SamplingPa
 
     init = (jnp.full((b,), -1, jnp.int32), p[:, 0], jnp.zeros((b,), jnp.int32), jnp.full((b, n), -1, jnp.int32))
     _, dist, num_accepted, path = jax.lax.fori_loop(0, n, visit, init)
-    return commit(draft.tokens, path, num_accepted, final_sample(gumbel, dist))
+    return commit(draft.tokens, path, num_accepted, final_sample(correction_noise(key, num_accepted, vocab), dist))
 
 
 GREEDY_TREE = Policy("greedy_tree", lossless=True, supports_trees=True, greedy_only=True, impl=greedy_tree)

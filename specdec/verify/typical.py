@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from specdec.sampling import SamplingParams, probabilities
 from specdec.drafter import Draft, VerifyResult
-from specdec.verify.base import Policy, commit, final_sample, round_noise
+from specdec.verify.base import Policy, commit, correction_noise, final_sample
 from specdec.verify.tree import longest_accepted_path
 
 DEFAULT_EPSILON = 0.09
@@ -38,8 +38,7 @@ def typical(draft: Draft, target_logits: jax.Array, sampling: SamplingParams, ke
 
     num_accepted, path, last = longest_accepted_path(draft.parents, accepted,
                                                      path_score=jnp.log(jnp.maximum(p_x, 1e-30)))
-    _, gumbel = round_noise(key, b, 0, p.shape[-1])
-    next_token = final_sample(gumbel, p[jnp.arange(b), last + 1])
+    next_token = final_sample(correction_noise(key, num_accepted, p.shape[-1]), p[jnp.arange(b), last + 1])
     return commit(draft.tokens, path, num_accepted, next_token)
 
 
