@@ -380,7 +380,7 @@ class ExperimentConfig:
     def __post_init__(self):
         _require(not get_policy(self.verify.policy).greedy_only or self.sampling.temperature == 0, "verify.policy",
                  f"{self.verify.policy!r} is exact only at sampling.temperature 0 (got {self.sampling.temperature}); "
-                 "use rejection_chain / multidraft_tree / typical for sampling")
+                 "use rejection_chain / multidraft_tree / invariant_chain / invariant_tree / typical for sampling")
 
 
 @dataclasses.dataclass(frozen=True)
