@@ -19,7 +19,7 @@ from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
 from specdec import trees
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
-from specdec.sampling import sample_with_probs
+from specdec.sampling import probabilities, sample
 
 
 class DraftLMDrafter(Drafter):
@@ -56,13 +56,16 @@ class DraftLMDrafter(Drafter):
         # 2. draft n tokens autoregressively (n - 1 more draft steps); drafted K/V sit past the committed length.
         # Draft j is drawn at offset j with the target's noise there (Gumbel-max on its q): the coupling the
         # invariant policies accept by.
+        def draw(logits, j):
+            return sample(key, logits, sampling, j), (None if sampling.greedy else probabilities(logits, sampling))
+
         def step(carry, j):
             cache, token = carry
             nxt = transformer.forward(params, self.cfg, cache, token[:, None])
-            new_token, q = sample_with_probs(key, nxt.logits[:, 0], sampling, j)
+            new_token, q = draw(nxt.logits[:, 0], j)
             return (nxt.cache.advance(1), new_token), (new_token, q)
 
-        first, q0 = sample_with_probs(key, root_logits, sampling, 0)
+        first, q0 = draw(root_logits, 0)
         _, (rest, q_rest) = jax.lax.scan(step, (committed, first), jnp.arange(1, n, dtype=jnp.int32))
         drafted = jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
         probs = None if q0 is None else jnp.concatenate([q0[:, None], jnp.swapaxes(q_rest, 0, 1)], axis=1)

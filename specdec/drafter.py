@@ -7,7 +7,7 @@ Life cycle inside `specdec.engine.speculative_generate`:
 
     state = drafter.init(params, prompt)                      # once, after the target's prefill
     loop:
-        draft, state = drafter.propose(params, state, ctx, key)  # ctx: committed tokens so far
+        draft, state = drafter.propose(params, state, ctx, sampling, key)  # ctx: committed tokens so far
         ... the target verifies [root, draft] in one step, the policy accepts a prefix/path ...
         state = drafter.update(params, state, ctx_after, result, taps)
 
@@ -209,9 +209,13 @@ class Drafter:
         """Initial drafter state (a pytree) for a batch of prompts. `capacity` bounds sequence length."""
         return ()
 
-    def propose(self, params, state, ctx: RoundContext, sampling: SamplingParams, key: jax.Array):
+    def propose(self, params, state, ctx: RoundContext, sampling: SamplingParams, key):
         """Return (Draft, new_state). Draft probabilities, when given, must come from the same
-        `specdec.sampling.probabilities` transform the target will be verified with."""
+        `specdec.sampling.probabilities` transform the target will be verified with. `key`: a
+        `specdec.sampling.SampleKey` whose offset 0 is the position after the root (ctx.seq_len); a drafter that
+        samples draws a node at depth d with `sampling.sample_with_probs(key, logits, sampling, d - 1)`, i.e.
+        Gumbel-max on its q with the target's noise at that position, so the invariant policies accept it
+        whenever it is the target's own sample there."""
         raise NotImplementedError
 
     def draft_confidence(self, state) -> jax.Array:

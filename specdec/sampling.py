@@ -190,13 +190,14 @@ def bits_to_uniform(bits: jax.Array) -> jax.Array:
     return jnp.minimum(w, jnp.float32(1.0 - 2.0 ** -24))
 
 
-def gumbel_noise(key: SampleKey, offsets: jax.Array, ids, stream: int = SAMPLE_STREAM) -> jax.Array:
-    """Gumbel(0, 1) noise [B, ..., V] for the tokens `ids` [V] at positions key.start + offsets (int [B, ...]).
-    The one noise source of every sampled token.
+def gumbel_noise(key, offsets: jax.Array, ids, stream: int = SAMPLE_STREAM) -> jax.Array:
+    """Gumbel(0, 1) noise [B, ..., V] for the tokens `ids` [V] at positions key.start + offsets (int [B, ...]);
+    `key` a SampleKey or a `jax.random` key (`as_sample_key`). The one noise source of every sampled token.
 
     g = -log(-log1p(-w)): the exponential variate -log1p(-w) keeps full relative precision where it is small,
     which is where the largest Gumbel values (the ones an argmax picks) come from."""
     offsets = jnp.asarray(offsets, jnp.int32)
+    key = as_sample_key(key, offsets.shape[0])
     lead = (-1,) + (1,) * (offsets.ndim - 1)
     positions = key.start.reshape(lead) + offsets
     w = bits_to_uniform(noise_bits(key.seed, key.rows.reshape(lead)[..., None], positions[..., None],
@@ -207,8 +208,10 @@ def gumbel_noise(key: SampleKey, offsets: jax.Array, ids, stream: int = SAMPLE_S
 def verify_uniforms(key: SampleKey, offsets, slots) -> jax.Array:
     """U(0, 1) [B, N] for a rejection policy's tests: node `slots` [N] at position key.start + offsets [B, N]
     (its own slot, so siblings at one position get independent tests), in the test stream."""
+    offsets = jnp.asarray(offsets, jnp.int32)
+    key = as_sample_key(key, offsets.shape[0])
     rows = key.rows[:, None]
-    positions = key.start[:, None] + jnp.asarray(offsets, jnp.int32)
+    positions = key.start[:, None] + offsets
     return bits_to_uniform(noise_bits(key.seed, rows, positions, jnp.asarray(slots), TEST_STREAM))
 
 
