@@ -1,8 +1,10 @@
 """A draft language model (any causal LM sharing the target's tokenizer), and self-speculation.
 
-Each round the draft model first catches up on the tokens committed since its last round (at most N+1, in
-one step), then drafts N tokens one at a time. Its KV cache keeps only committed tokens: drafted positions
-are overwritten by the next catch-up. Draft distributions come from the same sampling transform the target
+Each round the draft model first catches up on the tokens committed since its last draft, however many (rounds
+whose draft was skipped leave more than N + 1: they are fed in chunks of CATCH_UP tokens, then the last N + 1 in
+one step), then drafts N tokens one at a time. It reads only the committed tokens, so a skipped round needs
+no drafter work at all. Its KV cache keeps only committed tokens: drafted positions are overwritten by the next
+catch-up. Draft distributions come from the same sampling transform the target
 is verified with, so rejection sampling stays exact.
 
 Self-speculation ("layer skipping") is the same drafter whose model is the target's first `num_layers`
@@ -15,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from drafters import register
-from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
+from specdec.drafter import CATCH_UP, Draft, Drafter, PromptInfo, RoundContext
 from specdec import trees
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
@@ -25,15 +27,15 @@ from specdec.sampling import probabilities, sample
 class DraftLMDrafter(Drafter):
     kind = "chain"
     jittable = True
-    skippable = False  # propose catches up on the committed tokens (at most N + 1 of them): draft every round
 
     def __init__(self, cfg: ModelConfig, params, num_draft_tokens: int, name: str = "draft_lm"):
         self.cfg, self.name, self.num_draft_tokens = cfg, name, num_draft_tokens
         self.params = transformer.unstack_layers(params)  # the fast layout on XLA:CPU
 
     def cache_slack(self) -> int:
-        """Draft cache slots past the engine's `capacity`: room for the drafted positions of a round."""
-        return self.num_draft_tokens + 2
+        """Draft cache slots past the engine's `capacity`: room for the drafted positions of a round and for a
+        chunk of the catch-up."""
+        return max(self.num_draft_tokens + 2, CATCH_UP)
 
     def init(self, params, prompt: PromptInfo, capacity: int):
         cache = transformer.init_cache(self.cfg, prompt.tokens.shape[0], capacity + self.cache_slack())
@@ -41,14 +43,34 @@ class DraftLMDrafter(Drafter):
         return out.cache.with_lengths(prompt.lengths)
 
     def catch_up(self, params, cache: transformer.KVCache, ctx: RoundContext):
-        """Feed the committed tokens the draft cache has not seen (the root included; at most N + 1) in one
-        step. Returns the draft's logits at the root [B, V] and the cache holding exactly the committed tokens."""
+        """Feed the committed tokens the draft cache has not seen (the root included), however many: while more
+        than N + 1 are pending in some row, chunks of up to CATCH_UP (`replay`), then the last N + 1 or fewer in
+        one step. Returns the draft's logits at the root [B, V] and the cache holding exactly the committed
+        tokens."""
         width = self.num_draft_tokens + 1
+        cache = self.replay(params, cache, ctx, ctx.seq_len - width)
         pending = ctx.seq_len - cache.lengths
-        idx = jnp.clip(cache.lengths[:, None] + jnp.arange(width)[None, :], 0, ctx.seq.shape[1] - 1)
-        tokens = jnp.take_along_axis(ctx.seq, idx, axis=1)
-        out = transformer.forward(params, self.cfg, cache, tokens, logits_at=(pending - 1)[:, None])
+        out = transformer.forward(params, self.cfg, cache, self._tokens(cache, ctx, width),
+                                  logits_at=(pending - 1)[:, None])
         return out.logits[:, 0], out.cache.with_lengths(ctx.seq_len)
+
+    def replay(self, params, cache: transformer.KVCache, ctx: RoundContext, upto: jax.Array):
+        """The cache with the committed tokens up to position `upto` [B] (exclusive) fed, in steps of CATCH_UP
+        tokens (a lax.while_loop: no step at all after a drafted round, where at most N + 1 are pending). Rows
+        already there wait (their lanes write past their length, which the next step overwrites)."""
+        def step(cache):
+            count = jnp.clip(upto - cache.lengths, 0, CATCH_UP)
+            out = transformer.forward(params, self.cfg, cache, self._tokens(cache, ctx, CATCH_UP),
+                                      logits_at=jnp.zeros_like(cache.lengths)[:, None])
+            return out.cache.advance(count)
+
+        return jax.lax.while_loop(lambda c: jnp.any(upto > c.lengths), step, cache)
+
+    @staticmethod
+    def _tokens(cache: transformer.KVCache, ctx: RoundContext, width: int) -> jax.Array:
+        """The committed tokens from each row's draft cache length on, `width` of them (clipped at the end)."""
+        idx = jnp.clip(cache.lengths[:, None] + jnp.arange(width)[None, :], 0, ctx.seq.shape[1] - 1)
+        return jnp.take_along_axis(ctx.seq, idx, axis=1)
 
     def propose(self, params, cache: transformer.KVCache, ctx: RoundContext, sampling, key):
         n = self.num_draft_tokens
