@@ -8,7 +8,11 @@ catch-up. Draft distributions come from the same sampling transform the target
 is verified with, so rejection sampling stays exact.
 
 Self-speculation ("layer skipping") is the same drafter whose model is the target's first `num_layers`
-layers + its final norm + lm_head: no training, no extra weights (the arrays are shared with the target).
+layers + its final norm + lm_head: no training, no extra weights (the arrays are shared with the target). Its
+chain keeps no cache of its own either: the target's KV cache already holds those layers' K/V of every committed
+position but the root (`RoundContext.cache`, the same function of the same tokens), so it feeds only the root
+and drafts on a copy of those layers' cache; nothing to catch up on after skipped rounds. (Its tree writes more
+nodes past the committed length than the target's cache has room for: it keeps its own cache.)
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from specdec.drafter import CATCH_UP, Draft, Drafter, PromptInfo, RoundContext
 from specdec import trees
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
+from specdec.models.transformer import KVCache
 from specdec.sampling import probabilities, sample
 
 
@@ -28,9 +33,12 @@ class DraftLMDrafter(Drafter):
     kind = "chain"
     jittable = True
 
-    def __init__(self, cfg: ModelConfig, params, num_draft_tokens: int, name: str = "draft_lm"):
+    def __init__(self, cfg: ModelConfig, params, num_draft_tokens: int, name: str = "draft_lm",
+                 shares_target_cache: bool = False):
         self.cfg, self.name, self.num_draft_tokens = cfg, name, num_draft_tokens
         self.params = transformer.unstack_layers(params)  # the fast layout on XLA:CPU
+        # True: the model is the target's first layers, whose K/V the target's cache holds (self-speculation)
+        self.shares_target_cache = shares_target_cache
 
     def cache_slack(self) -> int:
         """Draft cache slots past the engine's `capacity`: room for the drafted positions of a round and for a
@@ -38,9 +46,26 @@ class DraftLMDrafter(Drafter):
         return max(self.num_draft_tokens + 2, CATCH_UP)
 
     def init(self, params, prompt: PromptInfo, capacity: int):
+        if self.shares_target_cache:
+            return ()
         cache = transformer.init_cache(self.cfg, prompt.tokens.shape[0], capacity + self.cache_slack())
         out = transformer.forward(params, self.cfg, cache, prompt.tokens, logits_at=(prompt.lengths - 1)[:, None])
         return out.cache.with_lengths(prompt.lengths)
+
+    def at_root(self, params, cache, ctx: RoundContext):
+        """(the draft's logits at the root [B, V], a cache of the committed tokens to draft on: `catch_up`, or
+        with `shares_target_cache` the target's cache of its layers with the root fed)."""
+        if not self.shares_target_cache:
+            return self.catch_up(params, cache, ctx)
+        target, layers = ctx.cache, self.cfg.num_layers
+        if isinstance(target.k, tuple):
+            k, v = target.k[:layers], target.v[:layers]
+        else:  # the stacked layout (scan / megakernel backends): the per-layer one this model runs
+            k, v = tuple(target.k[i] for i in range(layers)), tuple(target.v[i] for i in range(layers))
+        own = KVCache(k=k, v=v, lengths=ctx.seq_len - 1)
+        root = jnp.take_along_axis(ctx.seq, (ctx.seq_len - 1)[:, None], axis=1)
+        out = transformer.forward(params, self.cfg, own, root)
+        return out.logits[:, 0], out.cache.advance(1)
 
     def catch_up(self, params, cache: transformer.KVCache, ctx: RoundContext):
         """Feed the committed tokens the draft cache has not seen (the root included), however many: while more
@@ -74,7 +99,7 @@ class DraftLMDrafter(Drafter):
 
     def propose(self, params, cache: transformer.KVCache, ctx: RoundContext, sampling, key):
         n = self.num_draft_tokens
-        root_logits, committed = self.catch_up(params, cache, ctx)
+        root_logits, committed = self.at_root(params, cache, ctx)
         # 2. draft n tokens autoregressively (n - 1 more draft steps); drafted K/V sit past the committed length
         keys = jax.random.split(key, n)
 
@@ -91,10 +116,13 @@ class DraftLMDrafter(Drafter):
         _, (rest, q_rest) = jax.lax.scan(step, (committed, first), keys[1:])
         drafted = jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
         probs = None if q0 is None else jnp.concatenate([q0[:, None], jnp.swapaxes(q_rest, 0, 1)], axis=1)
-        return Draft.chain(drafted, probs=probs), committed
+        return Draft.chain(drafted, probs=probs), (cache if self.shares_target_cache else committed)
 
     def describe(self):
-        return {**super().describe(), "draft_layers": self.cfg.num_layers}
+        out = {**super().describe(), "draft_layers": self.cfg.num_layers}
+        if self.shares_target_cache:  # only then: a draft LM's description (a cost-cache key) is unchanged
+            out["target_cache"] = True
+        return out
 
 
 class DraftLMTreeDrafter(DraftLMDrafter):
@@ -131,10 +159,10 @@ class DraftLMTreeDrafter(DraftLMDrafter):
         return {**super().describe(), "tree_top_k": self.top_k, "tree_depth": self.depth}
 
 
-def _make(cfg, params, num_draft_tokens, name, tree_top_k, tree_depth):
+def _make(cfg, params, num_draft_tokens, name, tree_top_k, tree_depth, shares_target_cache=False):
     if tree_top_k or tree_depth:
         return DraftLMTreeDrafter(cfg, params, num_draft_tokens, tree_top_k, tree_depth, name=name)
-    return DraftLMDrafter(cfg, params, num_draft_tokens, name=name)
+    return DraftLMDrafter(cfg, params, num_draft_tokens, name=name, shares_target_cache=shares_target_cache)
 
 
 def _prefix_layers(params, num_layers: int):
@@ -152,7 +180,7 @@ def make_self_spec(target, num_draft_tokens: int, num_layers: int = 8, tree_top_
         raise ValueError(f"self_spec num_layers must be in [1, {target.cfg.num_layers - 1}], got {num_layers}")
     cfg = target.cfg.replace(num_layers=num_layers, name=f"{target.cfg.name}[:{num_layers}]")
     return _make(cfg, _prefix_layers(target.params, num_layers), num_draft_tokens, "self_spec", tree_top_k,
-                 tree_depth)
+                 tree_depth, shares_target_cache=True)
 
 
 @register("draft_lm")

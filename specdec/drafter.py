@@ -57,6 +57,9 @@ class RoundContext:
     seq: jax.Array  # int32 [B, C] prompt + generated tokens; only the first seq_len[b] are meaningful
     seq_len: jax.Array  # int32 [B]; seq[b, seq_len[b]-1] is the root: committed but not yet in the target cache
     done: jax.Array  # bool [B] rows that have finished
+    # the target's KV cache (every committed position but the root), for a drafter built from the target's own
+    # layers (self-speculation), whose K/V of those positions it already holds; None outside the loop
+    cache: Any = None
 
 
 @jax.tree_util.register_dataclass

@@ -91,7 +91,7 @@ def write_tokens(seq: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
 
 
 def _context(state: LoopState) -> RoundContext:
-    return RoundContext(seq=state.seq, seq_len=state.seq_len, done=state.done)
+    return RoundContext(seq=state.seq, seq_len=state.seq_len, done=state.done, cache=state.cache)
 
 
 @jax.jit
@@ -577,14 +577,14 @@ class LoopProbe:
                       self.lengths, self.capacity, PROFILE_ROUNDS, 0)
 
         @jax.jit
-        def drafts(dparams, dstate, seq, seq_len, done, key):
+        def drafts(dparams, dstate, seq, seq_len, done, cache, key):
             def one(i, total):
-                ctx = RoundContext(seq=seq, seq_len=jnp.maximum(seq_len - i % 8, 1), done=done)
+                ctx = RoundContext(seq=seq, seq_len=jnp.maximum(seq_len - i % 8, 1), done=done, cache=cache)
                 draft, _ = drafter.propose(dparams, dstate, ctx, spec.sampling, jax.random.fold_in(key, i))
                 return total + jnp.sum(draft.tokens) + jnp.sum(draft.valid)
             return jax.lax.fori_loop(0, calls, one, jnp.int32(0))
 
-        args = (drafter.params, state.drafter_state, state.seq, state.seq_len, state.done, state.key)
+        args = (drafter.params, state.drafter_state, state.seq, state.seq_len, state.done, state.cache, state.key)
         jax.block_until_ready(drafts(*args))  # compile
         times = []
         for _ in range(repeats):

@@ -238,7 +238,7 @@ def skipped_and_reference(target, drafter, rounds=CATCH_UP + 5, label=""):
         state = engine.compiled_loop(spec, target.params, drafter.params, state)
         skipped, drafted = sched.metrics(spec, state.sched)["width_rounds"]
         assert (skipped, drafted) == ((rounds, 1) if sched.kind == "skip_pattern" else (0, rounds + 1))
-        ctx = RoundContext(seq=state.seq, seq_len=state.seq_len, done=jnp.zeros_like(state.done))
+        ctx = RoundContext(seq=state.seq, seq_len=state.seq_len, done=jnp.zeros_like(state.done), cache=state.cache)
         proposal, dstate = propose(drafter.params, state.drafter_state, ctx)
         seq = [row[:n].tolist() for row, n in zip(np.asarray(state.seq), np.asarray(state.seq_len))]
         out.append((seq, np.asarray(proposal.probs), committed(dstate)))
@@ -252,7 +252,7 @@ def same_state(a, b) -> bool:
         x.shape == y.shape and np.allclose(x, y, atol=1e-4) for x, y in zip(state_a, state_b))
 
 
-STATEFUL = ["self_spec", "eagle3", "dspark"]
+STATEFUL = ["draft_lm", "self_spec", "eagle3", "dspark"]
 
 
 @pytest.mark.parametrize("name", STATEFUL)
@@ -268,7 +268,7 @@ def test_catch_up_leaves_the_state_of_a_drafter_that_drafted_every_round(target,
 def test_a_catch_up_that_misses_the_last_skipped_token_is_caught(target, monkeypatch):
     """Negative controls for the test above: a catch-up that leaves out the last skipped token changes the state
     and the proposal, for a drafter that catches up from the target's taps (the engine's replay, EAGLE-3) and for
-    one that catches up from the committed tokens (its own replay, the draft LM)."""
+    one that catches up from the committed tokens (its own replay, a draft LM)."""
     real_catch_up, real_replay = engine.catch_up, DraftLMDrafter.replay
 
     def drops_last_tap(spec, dparams, state):  # the last recorded round's taps never reach the drafter
@@ -283,8 +283,21 @@ def test_a_catch_up_that_misses_the_last_skipped_token_is_caught(target, monkeyp
     assert not same_state(skipped, reference)
     monkeypatch.undo()
     monkeypatch.setattr(DraftLMDrafter, "replay", stops_one_short)
-    skipped, reference = skipped_and_reference(target, DRAFTERS["self_spec"](target), label="mutant")
+    skipped, reference = skipped_and_reference(target, DRAFTERS["draft_lm"](target), label="mutant")
     assert not same_state(skipped, reference)
+
+
+def test_self_speculation_drafts_from_the_targets_cache_what_its_own_cache_gives(target):
+    """Self-speculation's chain keeps no cache: the target's holds its layers' K/V of the committed positions. Its
+    drafts equal those of the same model with a cache of its own that catches up on every token (the same accept
+    lengths, round by round, with skipped rounds between), and it has no state to carry."""
+    shared = create_drafter("self_spec", target, 3, num_layers=1)
+    own = DraftLMDrafter(shared.cfg, shared.params, 3, name="self_spec")
+    assert shared.shares_target_cache and not own.shares_target_cache
+    outs = [speculative_generate(target, d, PROMPTS[:3], max_new_tokens=40, scheduler=SkipPattern())
+            for d in (shared, own)]
+    assert outs[0].tokens == outs[1].tokens == generate(target, PROMPTS[:3], max_new_tokens=40).tokens
+    assert outs[0].accept_lengths == outs[1].accept_lengths and outs[0].metrics.accepted_draft_tokens > 0
 
 
 # ---------------------------------------------------------------------------------------------------------
