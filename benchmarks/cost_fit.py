@@ -33,7 +33,7 @@ def fit_round_costs(runs) -> dict | None:
     counts = np.asarray([[*m.width_rounds, m.width_rounds[0] - m.skipped_drafts] for m in runs], float)
     seconds = np.asarray([m.decode_seconds / m.round_costs[0] for m in runs])
     cols = np.flatnonzero(counts.sum(axis=0) > 0)
-    if np.linalg.matrix_rank(counts[:, cols]) < len(cols):  # a drafter that drafts every round (not skippable):
+    if np.linalg.matrix_rank(counts[:, cols]) < len(cols):  # a drafter that drafted every round:
         cols = cols[cols < counts.shape[1] - 1]  # its unverified drafts are its width-0 rounds, priced as those
     if counts[:, 0].sum() == 0 or len(runs) <= len(cols):
         return None

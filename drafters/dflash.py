@@ -47,7 +47,8 @@ import numpy as np
 
 from drafters import register
 from specdec import trees
-from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
+from specdec.drafter import (Draft, Drafter, PromptInfo, RoundContext, catch_up_width, draft_probs_to_target,
+                             draft_to_target)
 from specdec.models import transformer
 from specdec.export.registry import register_architecture
 from specdec.models.config import ModelConfig
@@ -566,7 +567,9 @@ class DFlashDrafter(Drafter):
 
     def init(self, params, prompt: PromptInfo, capacity: int):
         b, t = prompt.tokens.shape
-        cache = transformer.init_cache(self.arch.cfg, b, capacity + self.arch.block_size + 2, dtype=jnp.float32)
+        # slack past `capacity`: the block's positions, and the widest update (`catch_up_width`) at the root
+        slack = max(self.arch.block_size, catch_up_width(self.num_draft_tokens)) + 2
+        cache = transformer.init_cache(self.arch.cfg, b, capacity + slack, dtype=jnp.float32)
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         cache = self._write_context(params, cache, prompt.taps, positions, jnp.zeros((b,), jnp.int32))
         return BlockState(cache=cache.with_lengths(prompt.lengths),
@@ -740,7 +743,8 @@ class DFlashDrafter(Drafter):
     def update(self, params, state: BlockState, ctx: RoundContext, result, taps):
         """Append the context K/V of the root and the accepted path (positions root_pos + i); keep the committed
         ones only. The taps come in verify order [root, nodes]: a chain's are already in path order, a tree's
-        accepted path is gathered first."""
+        accepted path is gathered first. After a run of plain rounds the taps are at their roots, in order
+        (`Drafter.update`): one step writes the K/V of every skipped position."""
         cache = state.cache
         width = taps.shape[2]
         if self.kind == "tree":

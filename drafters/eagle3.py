@@ -23,9 +23,11 @@ training data; `d2t` [N] maps draft ids to target ids (a saved buffer). lm_head 
 target's rows (tied embedding or lm_head), the output norm from the target's final norm.
 
 Inference state: the draft layer's own KV cache (slot p-1 holds position p; only committed positions stay)
-and the fused target features of the positions not yet fed to it. `update` fuses the verify step's taps at
-[root, accepted path]; the next `propose` first catches up on those positions (at most N+1, one step), whose
-last output is the root's, then drafts N tokens (or grows the tree).
+and its output h at the root, the last committed position. `update` fuses the verify step's taps at [root,
+accepted path] and feeds the positions committed since (x_p with feature g_{p-1}, the new root last) through
+the layer in one step; after a run of plain rounds (the draft skipped) the engine calls it once with the taps at
+their roots (`specdec.drafter.Drafter.update`), so it catches up on every skipped token. `propose` drafts N
+tokens (or grows the tree) from the root's output.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ import numpy as np
 
 from drafters import register
 from specdec import trees
-from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, draft_probs_to_target, draft_to_target
+from specdec.drafter import (Draft, Drafter, PromptInfo, RoundContext, catch_up_width, draft_probs_to_target,
+                             draft_to_target)
 from specdec.models import transformer
 from specdec.models.config import ModelConfig
 from specdec.export.registry import register_architecture
@@ -310,13 +313,12 @@ def make_task(target, taps: list | None = None, draft_vocab_size: int = 0, ttt_s
 @dataclasses.dataclass
 class Eagle3State:
     cache: transformer.KVCache  # the draft layer's K/V: slot p-1 = position p; `lengths` = positions fed
-    feats: jax.Array  # [B, N+1, H] fused target features g_{lengths}, g_{lengths+1}, ... not yet fed
+    h_root: jax.Array  # [B, H] the layer's output at the root (position `lengths`): the first draft's input
 
 
 class Eagle3Drafter(Drafter):
     kind = "chain"
     jittable = True
-    skippable = False  # propose catches up on the committed tokens (at most N + 1 of them): draft every round
 
     def __init__(self, arch: Eagle3Arch, params, num_draft_tokens: int, name: str = NAME):
         self.arch, self.num_draft_tokens, self.name = arch, num_draft_tokens, name
@@ -360,8 +362,9 @@ class Eagle3Drafter(Drafter):
         return tok, None if q is None else draft_probs_to_target(q, d2t, self.arch.cfg.vocab_size)
 
     def cache_slack(self) -> int:
-        """Draft cache slots past the engine's `capacity`: room for the drafted positions of a round."""
-        return self.num_draft_tokens + 2
+        """Draft cache slots past the engine's `capacity`: room for the drafted positions of a round and for the
+        positions an update feeds."""
+        return max(self.num_draft_tokens + 2, catch_up_width(self.num_draft_tokens) + 1)
 
     def init(self, params, prompt: PromptInfo, capacity: int):
         b, t = prompt.tokens.shape
@@ -376,20 +379,18 @@ class Eagle3Drafter(Drafter):
                                    transformer.causal_mask(t - 1))
         cache = cache.with_lengths(prompt.lengths - 1)  # the prompt's last position is fed with the root
         last = jnp.take_along_axis(g, (prompt.lengths - 1)[:, None, None], axis=1)  # g_{P-1}
-        feats = jnp.zeros((b, self.num_draft_tokens + 1, c.hidden_size), jnp.float32).at[:, :1].set(last)
-        return Eagle3State(cache=cache, feats=feats)
+        return self.feed(params, cache, prompt.first_token[:, None], last, jnp.ones((b,), jnp.int32))
 
-    def catch_up(self, params, state: Eagle3State, ctx: RoundContext):
-        """Feed the committed positions the draft has not seen (the root last; at most N+1) with their target
-        features. Returns the draft's hidden output at the root [B, H] and the cache of committed positions."""
-        width = self.num_draft_tokens + 1
-        cache = state.cache
-        pending = ctx.seq_len - 1 - cache.lengths
+    def feed(self, params, cache: transformer.KVCache, tokens, feats, count) -> Eagle3State:
+        """Feed the next `count` [B] positions after the last one fed (position p: token x_p, feature g_{p-1}):
+        `tokens` [B, W] and `feats` [B, W, H] from the first of them on, each row's first `count` meant. Returns
+        the state with them fed, its root output the last one's."""
+        width = tokens.shape[1]
         positions = cache.lengths[:, None] + 1 + jnp.arange(width, dtype=jnp.int32)[None, :]
-        tokens = jnp.take_along_axis(ctx.seq, jnp.clip(positions, 0, ctx.seq.shape[1] - 1), axis=1)
-        h, cache = self._layer(params, cache, tokens, state.feats, positions, transformer.causal_mask(width))
-        h_root = jnp.take_along_axis(h, jnp.clip(pending - 1, 0, width - 1)[:, None, None], axis=1)[:, 0]
-        return h_root, cache.with_lengths(ctx.seq_len - 1)
+        h, cache = self._layer(params, cache, tokens, feats, positions, transformer.causal_mask(width))
+        last = jnp.clip(count - 1, 0, width - 1)
+        h_root = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+        return Eagle3State(cache=cache.advance(jnp.maximum(count, 0)), h_root=h_root)
 
     def draft_step(self, params, cache, token, h_prev):
         """One chain step after the root: token [B] at the next position, input feature h_prev [B, H].
@@ -400,7 +401,7 @@ class Eagle3Drafter(Drafter):
 
     def propose(self, params, state: Eagle3State, ctx: RoundContext, sampling, key):
         n = self.num_draft_tokens
-        h_root, committed = self.catch_up(params, state, ctx)
+        h_root, committed = state.h_root, state.cache
         first, q0 = self._draw(params, self._logits(params, h_root), sampling, key, 0)
 
         def step(carry, j):
@@ -413,15 +414,22 @@ class Eagle3Drafter(Drafter):
                                                      jnp.arange(1, n, dtype=jnp.int32))
         drafted = jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
         probs = None if q0 is None else jnp.concatenate([q0[:, None], jnp.swapaxes(q_rest, 0, 1)], axis=1)
-        # drafted K/V sit past the committed length; the next catch-up overwrites them
+        # drafted K/V sit past the committed length; the next update overwrites them
         return Draft.chain(drafted, probs=probs), Eagle3State(cache=cache.with_lengths(committed.lengths),
-                                                              feats=state.feats)
+                                                              h_root=h_root)
 
     def update(self, params, state: Eagle3State, ctx: RoundContext, result, taps):
-        g = _apply(self.arch, params["params"], "fuse", taps)  # [B, N+1, H] at [root, nodes]
+        """Feed the positions committed since the root (the accepted drafts, then the new root) with the fused
+        taps at the root and the accepted path as their features; after plain rounds the taps are at their roots
+        and the path runs through them (`Drafter.update`)."""
+        g = _apply(self.arch, params["params"], "fuse", taps)  # [B, W, H] at [root, nodes]
         idx = jnp.concatenate([jnp.zeros_like(result.path[:, :1]), jnp.where(result.path >= 0, result.path + 1, 0)], 1)
         feats = jnp.take_along_axis(g, idx[..., None], axis=1)  # g at root, then the accepted path
-        return Eagle3State(cache=state.cache, feats=feats)
+        cache = state.cache
+        width = feats.shape[1]
+        positions = cache.lengths[:, None] + 1 + jnp.arange(width, dtype=jnp.int32)[None, :]
+        tokens = jnp.take_along_axis(ctx.seq, jnp.clip(positions, 0, ctx.seq.shape[1] - 1), axis=1)
+        return self.feed(params, cache, tokens, feats, ctx.seq_len - 1 - cache.lengths)
 
     def describe(self):
         return {**super().describe(), "taps": list(self.taps), "draft_vocab": self.arch.vocab}
@@ -445,7 +453,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
 
     def propose(self, params, state: Eagle3State, ctx: RoundContext, sampling, key):
         k = self.top_k
-        h_root, committed = self.catch_up(params, state, ctx)
+        h_root, committed = state.h_root, state.cache
         root_pos = ctx.seq_len - 1
 
         def expand(tokens, depth, mask, h_in):  # the draft layer over the expanded nodes (input: the parent's h)
@@ -456,7 +464,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
         root_inputs = jnp.broadcast_to(h_root[:, None], (h_root.shape[0], k, h_root.shape[-1]))
         draft = trees.grow_dynamic_tree(self._logits(params, h_root), expand, k, self.depth, self.num_draft_tokens,
                                         root_inputs=root_inputs, to_target=lambda ids: self._to_target(params, ids))
-        return draft, Eagle3State(cache=committed, feats=state.feats)
+        return draft, state
 
     def describe(self):
         return {**super().describe(), "tree_top_k": self.top_k, "tree_depth": self.depth}

@@ -75,7 +75,7 @@ class HybridDrafter(Drafter):
         # a tree model (DSpark / DFlash with tree_top_k): the rows that copy carry the lookup's chain as a tree of
         # one branch; a chain's every prefix is the best tree of its size, so the order stays best first
         self.kind, self.ordered_tree = model.kind, model.ordered_tree
-        self.taps, self.params, self.skippable = model.taps, model.params, model.skippable
+        self.taps, self.params = model.taps, model.params
 
     def init(self, params, prompt, capacity):
         return self.model.init(params, prompt, capacity)
@@ -100,8 +100,8 @@ class HybridDrafter(Drafter):
         def model_propose():
             return self.model.propose(params, state, ctx, sampling, key)
 
-        def no_model():  # every active row verifies the lookup alone: the model's forward is skipped (a
-            # skippable model's state needs no proposal)
+        def no_model():  # every active row verifies the lookup alone: the model's forward is skipped (its state
+            # needs no proposal: it catches up in update or in its next propose, `Drafter.update`)
             kept = jax.tree.map(lambda s, x: jnp.asarray(x, s.dtype), shapes[1], state)
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0]), kept
 
@@ -111,10 +111,8 @@ class HybridDrafter(Drafter):
             alone = use
         else:
             alone = use & (length >= self.alone_match) if self.alone_match else jnp.zeros_like(use)
-        if self.model.skippable:  # a function of the committed context alone: sampled drafts stay exact
-            model_draft, state = jax.lax.cond(jnp.all(alone | ctx.done), no_model, model_propose)
-        else:  # its propose catches up on the committed tokens (EAGLE-3, draft LMs): it runs every round
-            model_draft, state = model_propose()
+        # a function of the committed context alone: sampled drafts stay exact
+        model_draft, state = jax.lax.cond(jnp.all(alone | ctx.done), no_model, model_propose)
         if model_draft.probs is not None:  # sampled: the lookup's rows carry their one-hot q
             one_hot = jax.nn.one_hot(lookup_draft.tokens, model_draft.probs.shape[-1], dtype=model_draft.probs.dtype)
             lookup_draft = dataclasses.replace(lookup_draft, probs=one_hot)

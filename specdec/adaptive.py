@@ -35,9 +35,9 @@ A width > 0 must beat width 0 by `margin`: the measured costs are good to a few 
 smaller than that is as likely a loss.
 
 Two decisions per round (the Scheduler protocol, specdec/scheduler.py):
-1. `plan`, before drafting, from the history alone: if W = 0 wins the draft is skipped (drafters whose state
-   needs every proposal, `Drafter.skippable = False`, still draft and verify nothing), unless the draft costs at
-   most `free_draft` of a plain round and `refine` will look at it: then it is always made.
+1. `plan`, before drafting, from the history alone: if W = 0 wins the draft is skipped (any drafter: it catches
+   up on the skipped rounds' tokens before it drafts again, `Drafter.update`), unless the draft costs at most
+   `free_draft` of a plain round and `refine` will look at it: then it is always made.
 2. `refine`, after drafting, for deterministic drafts (probs=None: n-gram, suffix, top-k trees) or greedy
    decoding: the actual draft lengths replace the drafted-rate estimates and the draft's cost is sunk, so W is
    chosen again (down to 0); for drafts sampled at temperature > 0 the planned W stands. A tree is verified

@@ -10,6 +10,8 @@ Life cycle inside `specdec.engine.speculative_generate`:
         draft, state = drafter.propose(params, state, ctx, sampling, key)  # ctx: committed tokens so far
         ... the target verifies [root, draft] in one step, the policy accepts a prefix/path ...
         state = drafter.update(params, state, ctx_after, result, taps)
+    (a round whose draft the scheduler skips is a plain decode step that calls neither; the drafter catches up
+    on the tokens such rounds committed in its next `update` or `propose`: see `Drafter.update`)
 
 The two values that cross between drafter and policy live here too: the `Draft` a drafter proposes and the
 `VerifyResult` a verification policy (specdec/verify/) returns and the drafter's `update` reads.
@@ -55,6 +57,9 @@ class RoundContext:
     seq: jax.Array  # int32 [B, C] prompt + generated tokens; only the first seq_len[b] are meaningful
     seq_len: jax.Array  # int32 [B]; seq[b, seq_len[b]-1] is the root: committed but not yet in the target cache
     done: jax.Array  # bool [B] rows that have finished
+    # the target's KV cache (every committed position but the root), for a drafter built from the target's own
+    # layers (self-speculation), whose K/V of those positions it already holds; None outside the loop
+    cache: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -186,10 +191,6 @@ class Drafter:
     taps: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads (0 = embeddings)
     params: Any = None  # the array pytree the engine passes back into propose/update (None: no weights)
     has_confidence: bool = False  # True: draft_confidence() feeds the verify-length schedulers (specdec/scheduling.py)
-    # True: a round may skip `propose` (the adaptive verify width's width 0) and still call `update`, i.e. the
-    # state needs no proposal to stay right. False for drafters whose propose catches up on the committed tokens
-    # (draft LMs, EAGLE-3): they draft every round, and a width-0 round verifies none of it.
-    skippable: bool = True
     # True: `propose` returns probs=None (q one-hot) at every temperature, i.e. the draft is a function of the
     # committed context alone (n-gram, suffix), so the adaptive width may look at it before choosing the width.
     deterministic: bool = False
@@ -200,9 +201,9 @@ class Drafter:
     # Classes of `Draft.evidence` (1: the drafter gives none). The adaptive width keeps one acceptance history
     # per class and row.
     evidence_classes: int = 1
-    # True (host-side drafters, jittable False): `update` reads only the committed context `ctx` (it catches up
-    # on every token committed since its last call), so under the adaptive width the engine may commit a run of
-    # width-0 rounds in one compiled call and then call `update` once, with result=None and taps=None.
+    # True: `update` reads only the committed context `ctx` (it catches up on every token committed since its last
+    # call), so after a run of plain rounds the engine calls it once with result=None and taps=None; a host-side
+    # drafter's run of plain rounds is then one compiled call (suffix decoding).
     syncs_from_context: bool = False
 
     def init(self, params, prompt: PromptInfo, capacity: int) -> Any:
@@ -241,8 +242,16 @@ class Drafter:
 
     def update(self, params, state, ctx: RoundContext, result, taps) -> Any:
         """Fold the round's outcome into the state. `ctx` is the sequence after committing; `result` the
-        policy's VerifyResult; `taps` [n_taps, B, T, H] target hidden states at [root, nodes] (or None): T = N + 1,
-        or 1 in a plain decode round (the adaptive width's width 0, where nothing was drafted)."""
+        policy's VerifyResult; `taps` [n_taps, B, T, H] target hidden states at [root, nodes] (or None), T = N + 1.
+
+        Plain rounds (the draft skipped: the adaptive width's width 0) call no drafter code. The loop records
+        them, and before the drafter drafts again (or once `CATCH_UP` of them are recorded) calls `update` once
+        for the whole run of M of them, as for one round that committed their M tokens as a chain: the first
+        plain round's root, then M - 1 accepted drafts and the last committed token as the bonus
+        (`result.num_accepted` = M - 1, `result.path` = 0 .. M - 2, then -1), with `taps` the target's hidden
+        states at the M roots, padded to T = CATCH_UP positions. So an update that folds in [root, accepted path]
+        of any width catches up on every skipped token in one batched step; a drafter that reads only the
+        committed tokens (a draft LM) may instead catch up on them in `propose`."""
         return state
 
     def profiling(self):
@@ -268,6 +277,18 @@ class Drafter:
     def describe(self) -> dict:
         """Settings that identify this drafter in results tables."""
         return {"drafter": self.name, "num_draft_tokens": self.num_draft_tokens}
+
+
+# Plain rounds the loop records before the drafter catches up on them (`Drafter.update`): the width of its
+# buffer of the target's taps at their roots, so an update's taps are at most max(N + 1, CATCH_UP) positions wide.
+# Wider batches the catch-up of a long run of plain rounds into fewer steps; each needs that many cache slots of
+# slack in a drafter that writes the positions it catches up on (`catch_up_width`).
+CATCH_UP = 16
+
+
+def catch_up_width(num_draft_tokens: int) -> int:
+    """The most positions one `Drafter.update` folds in: N + 1 after a drafted round, CATCH_UP after plain ones."""
+    return max(num_draft_tokens + 1, CATCH_UP)
 
 
 # Match lengths (tokens of committed context that a lookup drafter matched) -> `Draft.evidence` classes:

@@ -7,6 +7,10 @@ One round, for every row of the batch at once:
   4. for trees, the cache is compacted so only the accepted path's K/V stay;
   5. accepted tokens are committed, stopping exactly at EOS and at max_new_tokens; the drafter updates.
 
+A round whose draft the scheduler skips is a plain decode step: no drafter code runs. The loop records such
+rounds (and the target's taps at their roots), and the drafter catches up on all of them in one batched
+`update` before it drafts again (`Drafter.update`), so any drafter may be skipped for any number of rounds.
+
 Drafters written in pure JAX run the whole generation as one compiled `lax.while_loop` (no host round trip
 per round); others run a host-stepped loop around the same jitted verify step. Rows carry their own lengths:
 acceptance is ragged, finished rows stop advancing (their lanes still compute: static shapes).
@@ -25,7 +29,7 @@ import numpy as np
 
 from specdec import trees
 from specdec.costs import ForcedWidths, forced
-from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext, VerifyResult
+from specdec.drafter import CATCH_UP, Draft, Drafter, PromptInfo, RoundContext, VerifyResult
 from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill_distinct
 from specdec.metrics import DecodeMetrics
 from specdec.models import transformer
@@ -48,6 +52,10 @@ class LoopState:
     done: jax.Array  # bool [B]
     limit: jax.Array  # int32 [B] max new tokens per row (traced, so a 1-token warm-up compiles the same loop)
     drafter_state: Any
+    # plain rounds run since the drafter's last update (int32 []), and the target's taps at their roots
+    # ([n_taps, B, CATCH_UP, H]; None for a drafter without taps): what its next update catches up on
+    pending: jax.Array
+    pending_taps: Any
     key: SampleKey  # the run's seed and row ids; a round draws at its rows' positions (`round_key`)
     # metric counters
     rounds: jax.Array  # int32 [B] rounds in which the row was active
@@ -83,7 +91,7 @@ def write_tokens(seq: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
 
 
 def _context(state: LoopState) -> RoundContext:
-    return RoundContext(seq=state.seq, seq_len=state.seq_len, done=state.done)
+    return RoundContext(seq=state.seq, seq_len=state.seq_len, done=state.done, cache=state.cache)
 
 
 def round_key(state: LoopState) -> SampleKey:
@@ -103,7 +111,7 @@ def propose(spec: LoopSpec, dparams, state: LoopState, planned=None):
     def run():
         return drafter.propose(dparams, state.drafter_state, _context(state), spec.sampling, sub)
 
-    may_skip = scheduler.may_skip and drafter.skippable
+    may_skip = scheduler.may_skip
     if not drafter.jittable:  # host-stepped loop: decide on the host, call the drafter only when it drafts
         planned = np.int32(int(_jit_plan(spec, state)) if planned is None else planned)
         drafted = not may_skip or spec.verify_widths[planned] > 0
@@ -304,38 +312,83 @@ def update(spec: LoopSpec, dparams, state: LoopState, result: VerifyResult, taps
     return dataclasses.replace(state, drafter_state=dstate)
 
 
-def plain_round(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, update_drafter: bool = True) -> LoopState:
-    """A round at verify width 0 whose draft is skipped, run as a plain decode step: the same commit and
-    drafter update as any round (the policy samples the target's token from p at the root), but no draft and
-    no bucket switch. `shapes`: the drafter's draft, as `jax.eval_shape` of its propose gives it.
-    `update_drafter=False` (host-side drafters, whose update cannot run in a compiled loop): no update; the
-    caller updates once after a run of such rounds (`Drafter.syncs_from_context`)."""
+def plain_round(spec: LoopSpec, tparams, state: LoopState, shapes) -> LoopState:
+    """A round at verify width 0 whose draft is skipped, run as a plain decode step: the same commit as any
+    round (the policy samples the target's token from p at the root), but no draft, no bucket switch and no
+    drafter code: the round is recorded (`record_plain_round`) for the drafter's next update. `shapes`: the
+    drafter's draft, as `jax.eval_shape` of its propose gives it."""
     state = dataclasses.replace(state, sched=spec.scheduler.skipped(spec, state))
-    state, result, taps = verify_and_commit(spec, tparams, state, empty_draft(shapes), width=0)
-    return update(spec, dparams, state, result, taps) if update_drafter else state
+    state, _, taps = verify_and_commit(spec, tparams, state, empty_draft(shapes), width=0)
+    return record_plain_round(state, taps)
 
 
-def plain_rounds(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, update_drafter: bool = True):
+def record_plain_round(state: LoopState, taps) -> LoopState:
+    """Count a plain round for the drafter's next update, and keep the target's taps at its root (taps
+    [n_taps, B, 1, H]) in the slot of its order in the run."""
+    kept = state.pending_taps
+    if kept is not None:
+        kept = jax.lax.dynamic_update_index_in_dim(kept, taps[:, :, 0].astype(kept.dtype), state.pending, axis=2)
+    return dataclasses.replace(state, pending=state.pending + 1, pending_taps=kept)
+
+
+def plain_run_result(state: LoopState) -> VerifyResult:
+    """The run of M = `state.pending` plain rounds as the VerifyResult of one chain round (`Drafter.update`): M - 1
+    accepted drafts (path 0 .. M - 2) and a bonus, their tokens the M committed last. Rows that finished during
+    the run committed fewer; their drafter state is never read again."""
+    m = state.pending
+    batch = state.seq.shape[0]
+    slot = jnp.arange(CATCH_UP, dtype=jnp.int32)
+    at = jnp.clip((state.seq_len - m)[:, None] + slot[None, :], 0, state.seq.shape[1] - 1)
+    tokens = jnp.where(slot < m, jnp.take_along_axis(state.seq, at, axis=1), -1)
+    path = jnp.broadcast_to(jnp.where(slot[:-1] < m - 1, slot[:-1], -1), (batch, CATCH_UP - 1))
+    return VerifyResult(num_accepted=jnp.broadcast_to(m - 1, (batch,)).astype(jnp.int32), tokens=tokens, path=path)
+
+
+def catch_up(spec: LoopSpec, dparams, state: LoopState) -> LoopState:
+    """The drafter's one update for the plain rounds run since its last one (`Drafter.update`); a drafter that
+    syncs from the context (`Drafter.syncs_from_context`) gets result=None and taps=None."""
+    drafter = spec.drafter
+    if drafter.syncs_from_context:
+        dstate = drafter.update(dparams, state.drafter_state, _context(state), None, None)
+    else:
+        dstate = drafter.update(dparams, state.drafter_state, _context(state), plain_run_result(state),
+                                state.pending_taps)
+    return dataclasses.replace(state, drafter_state=dstate, pending=jnp.zeros_like(state.pending))
+
+
+def plain_rounds(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, catch_up_after: bool = True):
     """Plain decode rounds (`plain_round`) while the adaptive width would skip the draft: as cheap as AR's step
-    (no conditional around the cache), with the rows' history still updated. The plan is made again before
-    every round, as the loop around it would: a skipped round changes no history, but the rows' remaining
-    tokens (the makespan objective) and the exploration clock move (the plan costs well under a microsecond)."""
+    (no conditional around the cache, no drafter code), with the rows' history still updated. The plan is made
+    again before every round, as the loop around it would: a skipped round changes no history, but the rows'
+    remaining tokens (the makespan objective) and the exploration clock move (the plan costs well under a
+    microsecond). The drafter catches up (`catch_up`) once the run ends, and every CATCH_UP rounds within a
+    longer one (its buffer of taps is full); `catch_up_after=False` (the host-stepped loop, whose drafter's
+    update is Python): not at all, and the run is not cut: the caller catches up once after it."""
     more = lambda s: ~jnp.all(s.done) & (jnp.asarray(spec.verify_widths)[spec.scheduler.plan(spec, s)] == 0)  # noqa: E731
-    return jax.lax.while_loop(more, lambda s: plain_round(spec, tparams, dparams, s, shapes, update_drafter), state)
+    if not catch_up_after:
+        return jax.lax.while_loop(more, lambda s: plain_round(spec, tparams, s, shapes), state)
+
+    def run(s):  # at most CATCH_UP plain rounds, then the drafter's update for them
+        s = jax.lax.while_loop(lambda s: more(s) & (s.pending < CATCH_UP), lambda s: plain_round(spec, tparams, s,
+                                                                                               shapes), s)
+        return catch_up(spec, dparams, s)
+
+    return jax.lax.while_loop(more, run, state)
 
 
 def runs_bursts(spec: LoopSpec, drafter: Drafter) -> bool:
     """Whether the host-stepped loop runs width-0 rounds in compiled bursts (`host_plain_rounds`)."""
-    return spec.scheduler.may_skip and not drafter.jittable and drafter.skippable and drafter.syncs_from_context
+    return spec.scheduler.may_skip and not drafter.jittable and drafter.syncs_from_context
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def host_plain_rounds(spec: LoopSpec, tparams, state: LoopState) -> LoopState:
     """`plain_rounds` for the host-stepped loop of a drafter with Python state: a run of width-0 rounds is one
-    compiled call instead of a host round trip (plan, propose, verify, update) per token."""
+    compiled call instead of a host round trip (plan, propose, verify, update) per token; the caller then
+    catches the drafter up (`catch_up`, outside the compiled call)."""
     batch, n = state.seq.shape[0], spec.drafter.num_draft_tokens
     shapes = Draft.chain(jnp.zeros((batch, n), jnp.int32), valid=jnp.zeros((batch, n), bool))
-    return plain_rounds(spec, tparams, None, state, shapes, update_drafter=False)
+    return plain_rounds(spec, tparams, None, state, shapes, catch_up_after=False)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
@@ -344,7 +397,7 @@ def compiled_loop(spec: LoopSpec, tparams, dparams, state: LoopState) -> LoopSta
         draft, state = propose(spec, dparams, state)
         state, result, taps = verify_and_commit(spec, tparams, state, draft)
         state = update(spec, dparams, state, result, taps)
-        if spec.scheduler.may_skip and spec.drafter.skippable:
+        if spec.scheduler.may_skip:
             # while the adaptive width would skip the draft, run plain decode steps in a loop of their own
             shapes = jax.eval_shape(lambda: spec.drafter.propose(dparams, state.drafter_state, _context(state),
                                                                  spec.sampling, round_key(state))[0])
@@ -373,8 +426,12 @@ def _initial_state(spec: LoopSpec, tokens, lengths, first_logits, cache, key, li
     done = jnp.isin(first, eos) | (limit <= 1)
     n = spec.drafter.num_draft_tokens
     zeros = jnp.zeros((batch,), jnp.int32)
+    taps = spec.drafter.taps
+    pending_taps = None if not taps or spec.drafter.syncs_from_context else jnp.zeros(
+        (len(taps), batch, CATCH_UP, spec.cfg.hidden_size), spec.cfg.jnp_dtype)
     return first, LoopState(cache=cache, seq=seq, seq_len=lengths + 1, num_new=zeros + 1, done=done,
-                            limit=limit, drafter_state=None, key=key, rounds=zeros, accepted=zeros, proposed=zeros,
+                            limit=limit, drafter_state=None, pending=jnp.zeros((), jnp.int32),
+                            pending_taps=pending_taps, key=key, rounds=zeros, accepted=zeros, proposed=zeros,
                             position_proposed=jnp.zeros((n,), jnp.int32),
                             position_accepted=jnp.zeros((n,), jnp.int32),
                             position_eligible=jnp.zeros((n,), jnp.int32),
@@ -517,14 +574,14 @@ class LoopProbe:
                       self.lengths, self.capacity, PROFILE_ROUNDS, 0)
 
         @jax.jit
-        def drafts(dparams, dstate, seq, seq_len, done, key):
+        def drafts(dparams, dstate, seq, seq_len, done, cache, key):
             def one(i, total):
-                ctx = RoundContext(seq=seq, seq_len=jnp.maximum(seq_len - i % 8, 1), done=done)
+                ctx = RoundContext(seq=seq, seq_len=jnp.maximum(seq_len - i % 8, 1), done=done, cache=cache)
                 draft, _ = drafter.propose(dparams, dstate, ctx, spec.sampling, key.at(ctx.seq_len))
                 return total + jnp.sum(draft.tokens) + jnp.sum(draft.valid)
             return jax.lax.fori_loop(0, calls, one, jnp.int32(0))
 
-        args = (drafter.params, state.drafter_state, state.seq, state.seq_len, state.done, state.key)
+        args = (drafter.params, state.drafter_state, state.seq, state.seq_len, state.done, state.cache, state.key)
         jax.block_until_ready(drafts(*args))  # compile
         times = []
         for _ in range(repeats):
@@ -574,7 +631,7 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
                 state = host_plain_rounds(spec, target.params, state)
                 jax.block_until_ready(state)
                 tb = time.perf_counter()
-                state = update_fn(spec, drafter.params, state, None, None)  # result / taps: none for a burst
+                state = catch_up(spec, drafter.params, state)  # its update syncs from the context
                 verify_s += tb - ta
                 draft_s += time.perf_counter() - tb
                 continue

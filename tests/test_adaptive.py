@@ -1,6 +1,6 @@
 """The adaptive verify width (specdec/adaptive.py): its decisions on golden cases, greedy equality with AR for
-every kind of drafter (compiled and host-stepped loops, skippable and not, chains and trees) with rounds that
-choose width 0, the sampled output's distribution through the engine, and the measured-once round costs."""
+every kind of drafter (compiled and host-stepped loops, with and without state, chains and trees) with rounds
+that choose width 0, the sampled output's distribution through the engine, and the measured-once round costs."""
 
 import dataclasses
 import json
@@ -588,8 +588,8 @@ def test_host_side_drafter_runs_width_0_rounds_in_compiled_bursts(monkeypatch):
 
 def adaptive_drafters(target):
     return {
-        "ngram": create_drafter("ngram", target, 4, max_ngram=2),  # deterministic, skippable
-        # a draft LM's tree: never skips (the chain draft LM is in the distribution test below)
+        "ngram": create_drafter("ngram", target, 4, max_ngram=2),  # deterministic, stateless
+        # a draft LM's tree: skipped rounds, then a catch-up (the chain draft LM is in the distribution test below)
         "tree": create_drafter("self_spec", target, 4, num_layers=1, tree_top_k=2, tree_depth=2),
         "suffix": create_drafter("suffix", target, 4),  # host-stepped loop
     }
@@ -615,7 +615,7 @@ def test_adaptive_greedy_equals_ar_with_rounds_of_every_width():
             continue
         assert m.width_rounds[0] > 0 and sum(m.width_rounds[1:]) > 0, (name, m.width_rounds)
         assert sum(m.width_rounds) >= m.rounds / len(PROMPTS)  # loop iterations >= a row's mean rounds
-        assert (m.skipped_drafts > 0) == drafter.skippable, (name, m.skipped_drafts)  # others draft, verify 0
+        assert m.skipped_drafts > 0, (name, m.skipped_drafts)  # every drafter may be skipped
         assert m.predicted_seconds > 0 and m.verify_widths[0] == 0
         if drafter.ordered_tree:  # a best-first tree is verified by prefix too, not only whole
             assert sum(m.width_rounds[1:-1]) > 0, (name, m.width_rounds)
@@ -653,9 +653,9 @@ def test_a_host_side_draft_is_never_free():
 
 def test_adaptive_sampled_output_matches_target_distribution():
     """Width chosen per round from the rows' history (rounds that skip and rounds that verify both occur): the
-    joint law of 9 generated tokens (T=0.7, top-k, top-p) still equals the target's, for a sampled draft (not
-    skippable: a width-0 round drafts and verifies nothing) and a deterministic one (skippable; its lengths
-    steer the width), with the calibration of the acceptance estimates on (self_spec). The exact law and the
+    joint law of 9 generated tokens (T=0.7, top-k, top-p) still equals the target's, for a sampled draft (a
+    draft LM, which catches up on the skipped rounds' tokens) and a deterministic one (its lengths steer the
+    width), with the calibration of the acceptance estimates on (self_spec). The exact law and the
     checks are test_engine's."""
     target = distribution_target()
     costs = ((1.0, 1.3, 2.0), None)  # widths (0, 1, 3) of a 3-node draft; draft costs below

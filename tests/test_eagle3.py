@@ -63,7 +63,7 @@ def reference(task, params, target, rows):
 @functools.partial(jax.jit, static_argnames=("drafter",))
 def engine_round(drafter, params, state, ctx):
     """The engine's drafting path step by step (greedy), plus the drafter's own propose on the same state."""
-    h, cache = drafter.catch_up(params, state, ctx)
+    h, cache = state.h_root, state.cache  # the root's output: fed by init or by the last update
     logits = [drafter._logits(params, h)]
     tokens = [drafter._to_target(params, jnp.argmax(logits[-1], -1))]
     for _ in range(drafter.num_draft_tokens - 1):
@@ -118,7 +118,7 @@ def test_ttt_logits_equal_engine_logits(target):
     rows2 = [r + drafts[i, :m].tolist() + [bonus[i]] for i, (r, m) in enumerate(zip(rows, accepted))]
     state = jax.jit(drafter.update)(dparams, state, context(rows2), result, verify_taps)
 
-    # round 2: the catch-up feeds the accepted tokens with the verify step's features
+    # round 2: the update fed the accepted tokens and the bonus with the verify step's features
     inf_logits, drafts2, _, _ = engine_round(drafter, dparams, state, context(rows2))
     drafts2 = np.asarray(drafts2)
     ref, _, _ = reference(task, params, target, [r + drafts2[i].tolist() for i, r in enumerate(rows2)])

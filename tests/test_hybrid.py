@@ -108,8 +108,8 @@ def test_rows_that_copy_verify_the_lookup_branch_beside_the_models_best_nodes():
 
 @pytest.mark.parametrize("model", ["dspark", "self_spec", "dspark_tree", "lookup_beside_tree"])
 def test_greedy_output_equals_ar_at_fixed_and_adaptive_width(model):
-    """DSpark (skippable: its forward is skipped when every row copies), self-speculation (not skippable: its
-    propose catches up on the committed tokens, so it runs every round), DSpark drafting a token tree (the
+    """DSpark and self-speculation (the model's forward is skipped when every row copies; self-speculation's
+    next propose catches up on the committed tokens), DSpark drafting a token tree (the
     copying rows carry the lookup's chain as a one-branch tree; the adaptive width may verify a prefix), and
     that tree with the lookup's branch beside the model's nodes (`lookup_nodes`; from a 4-token match the
     lookup's chain alone)."""
@@ -126,7 +126,6 @@ def test_greedy_output_equals_ar_at_fixed_and_adaptive_width(model):
         assert drafter.kind == "tree" and drafter.ordered_tree
     else:
         drafter = HybridDrafter(create_drafter("self_spec", target, 3, num_layers=1), NgramDrafter(3), 1)
-        assert not drafter.skippable
     ar = generate(target, PROMPTS, 40).tokens
     fixed = speculative_generate(target, drafter, PROMPTS, policy=policy, max_new_tokens=40)
     assert fixed.tokens == ar and fixed.metrics.accepted_draft_tokens > 0
