@@ -31,9 +31,6 @@ Inputs, both known before the target runs:
   pay for its width doubles that gap (up to `explore_max`) and one that pays resets it; the gap is never shorter
   than the exploring round's extra cost allows (`explore_budget` of the plain rounds' time).
 
-A width > 0 must beat width 0 by `margin`: the measured costs are good to a few percent, so a predicted gain
-smaller than that is as likely a loss.
-
 Two decisions per round (the Scheduler protocol, specdec/scheduler.py):
 1. `plan`, before drafting, from the history alone: if W = 0 wins the draft is skipped (any drafter: it catches
    up on the skipped rounds' tokens before it drafts again, `Drafter.update`), unless the draft costs at most
@@ -111,6 +108,16 @@ class AdaptiveState:
     calib_realised: jax.Array  # float32 [N]
 
 
+# The prior acceptance / drafted rate of a position with no history, in pseudo-rounds of weight PRIOR_WEIGHT.
+# Optimistic, so a row tries the draft from its first rounds; after that its own observations dominate, and
+# exploration (not the prior) makes a row that stopped verifying try again. A fresh row starts from the prior, not
+# from the drafter's earlier requests: acceptance varies more between prompts than between classes. Constants, not
+# knobs: on held-out prompts a prior of 0.75 or a weight of 0.5 moved the replayed speedup by under 0.5%
+# (docs/DECISIONS.md); a pessimistic prior (0.5) cost the hybrid 14% on its tuned sets.
+PRIOR = 1.0
+PRIOR_WEIGHT = 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaptiveWidth(Scheduler):
     """The adaptive verify width (the module docstring), config `scheduler.kind: adaptive`. Its fields are the
@@ -122,12 +129,6 @@ class AdaptiveWidth(Scheduler):
 
     # Each knob's value and the measurement behind it: docs/DECISIONS.md.
     decay: float = 0.9  # decay of a history count each time its position is observed (memory ~ 10 observations)
-    # Prior acceptance / drafted rate of a position with no history, in pseudo-rounds of weight `prior_weight`.
-    # Optimistic, so a row tries the draft from its first rounds; after that its own observations dominate, and
-    # exploration (not the prior) makes a row that stopped verifying try again. A fresh row starts from the prior,
-    # not from the drafter's earlier requests: acceptance varies more between prompts than between classes.
-    prior: float = 1.0
-    prior_weight: float = 1.0
     # A deeper position's prior is the estimate of the position before it times this factor, so a fresh class's
     # first draft is tried at a narrow width and widens as deeper positions are accepted (at 1.0 a fresh class
     # valued every depth as its first and verified the widest draft on open chat).
@@ -138,9 +139,6 @@ class AdaptiveWidth(Scheduler):
     # (C(narrowest) / C(0) - 1) / explore_budget rounds, so exploring spends at most this share of the plain
     # rounds' time (within [explore_every, explore_max]; a batch-8 suffix round costs ~1.7 plain ones). 0: no floor.
     explore_budget: float = 0.02
-    # Verify only if the expected tokens/s beat a plain step's by this factor: the costs are measured to a few
-    # percent, so a width predicted to win by less is as likely to lose.
-    margin: float = 0.05
     # Calibration (the module docstring): the realised / expected accepted drafts of the verified rounds, decayed
     # by `calibration_decay` per verified round from `calibration_weight` pseudo-tokens at ratio 1, scales every
     # expected gain; only for batches of at least `calibration_min_batch` rows. Weight 0 turns it off.
@@ -180,14 +178,11 @@ class AdaptiveWidth(Scheduler):
 
     def __post_init__(self):
         require(0.0 <= self.decay < 1.0, "decay", f"must be in [0, 1), got {self.decay!r}")
-        require(0.0 < self.prior <= 1.0, "prior", f"must be in (0, 1], got {self.prior!r}")
-        require(self.prior_weight > 0, "prior_weight", f"must be > 0, got {self.prior_weight!r}")
         require(0.0 < self.prior_depth <= 1.0, "prior_depth", f"must be in (0, 1], got {self.prior_depth!r}")
         require(self.explore_every >= 1, "explore_every", f"must be >= 1, got {self.explore_every!r}")
         require(self.explore_max >= self.explore_every, "explore_max",
                 f"must be >= explore_every ({self.explore_every!r}), got {self.explore_max!r}")
         require(0.0 <= self.explore_budget < 1.0, "explore_budget", f"must be in [0, 1), got {self.explore_budget!r}")
-        require(0.0 <= self.margin < 1.0, "margin", f"must be in [0, 1), got {self.margin!r}")
         require(0.0 <= self.calibration_decay < 1.0, "calibration_decay",
                 f"must be in [0, 1), got {self.calibration_decay!r}")
         require(self.calibration_weight >= 0, "calibration_weight", f"must be >= 0, got {self.calibration_weight!r}")
@@ -311,12 +306,12 @@ class AdaptiveWidth(Scheduler):
         draft's evidence class (`score_bins`), at most 1."""
         pick = jax.nn.one_hot(evidence, st.score_expected.shape[1], dtype=jnp.float32)[:, :, None]  # [B, C, 1]
         expected, realised = jnp.sum(st.score_expected * pick, axis=1), jnp.sum(st.score_realised * pick, axis=1)
-        ratio = (realised + self.prior_weight) / (expected + self.prior_weight)  # [B, S]
+        ratio = (realised + PRIOR_WEIGHT) / (expected + PRIOR_WEIGHT)  # [B, S]
         return jnp.minimum(scores * jnp.take_along_axis(ratio, self._score_bin(scores), axis=1), 1.0)
 
     def _rate(self, num, den, prior=None):
-        prior = self.prior if prior is None else prior
-        return (num + self.prior_weight * prior) / (den + self.prior_weight)
+        prior = PRIOR if prior is None else prior
+        return (num + PRIOR_WEIGHT * prior) / (den + PRIOR_WEIGHT)
 
     def acceptance(self, st: AdaptiveState, evidence: jax.Array | None = None) -> jax.Array:
         """P(position j accepted | j verified and j-1 accepted), per row: [B, N], from the row's history in the
@@ -332,7 +327,7 @@ class AdaptiveWidth(Scheduler):
         else:
             pick = jax.nn.one_hot(evidence, st.hits.shape[1], dtype=st.hits.dtype)[:, :, None]  # [B, C, 1]
             hits, reached = jnp.sum(st.hits * pick, axis=1), jnp.sum(st.reached * pick, axis=1)
-        prior = jnp.full(hits.shape[:1], self.prior, jnp.float32)
+        prior = jnp.full(hits.shape[:1], PRIOR, jnp.float32)
         rates = []
         for j in range(hits.shape[1]):  # static loop over draft positions
             rate = self._rate(hits[:, j], reached[:, j], prior)
@@ -365,10 +360,8 @@ class AdaptiveWidth(Scheduler):
     # -- decisions ---------------------------------------------------------------------------------------
 
     def _best(self, value: jax.Array, cost: jax.Array, allowed: jax.Array) -> jax.Array:
-        """argmax_k value[k] / cost[k] over allowed widths (ties: the narrower); a width > 0 (index > 0) must
-        beat width 0 by the factor 1 + margin."""
+        """argmax_k value[k] / cost[k] over allowed widths (ties: the narrower)."""
         theta = value / jnp.maximum(cost, 1e-9)
-        theta = theta / jnp.where(jnp.arange(theta.shape[0]) > 0, 1.0 + self.margin, 1.0)
         return jnp.argmax(jnp.where(allowed, theta, -jnp.inf)).astype(jnp.int32)
 
     def _allowed(self, st: AdaptiveState, widths, num_nodes: int, tree: bool, ordered: bool) -> jax.Array:
