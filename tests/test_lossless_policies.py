@@ -17,6 +17,10 @@ fresh seed each chi-square check would fail by chance with probability 1e-3.
 
 The broken verifiers (correction drawn from p instead of the residual; residual not renormalised before the
 next sibling's test) must fail the same check, which shows the test has the power to catch those bugs.
+
+Besides chains and trees of i.i.d. or top-k siblings, two shapes the drafters produce: a tree whose siblings are
+drawn WITHOUT replacement (sampled DSpark / DFlash trees), and a deterministic lookup branch beside sampled
+siblings (the hybrid drafter's `lookup_nodes`). Each has a negative control: the siblings claiming plain q.
 """
 
 from __future__ import annotations
@@ -71,11 +75,26 @@ def inverse_cdf(u: jax.Array, probs: jax.Array) -> jax.Array:
     return jnp.sum(u[..., None] >= cdf, axis=-1).astype(jnp.int32)  # zero-probability tokens are never hit
 
 
-def first_three_tokens(policy_name: str, shape: str, sampling: SamplingParams, seed: int) -> np.ndarray:
+def without(q: jax.Array, drawn: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q [B, V] with the token `drawn` [B] removed and renormalised (what the next draw WITHOUT replacement comes
+    from), and whether any mass was left [B] (top-k / top-p can leave a single token)."""
+    left = q * (1.0 - jax.nn.one_hot(drawn, q.shape[-1], dtype=q.dtype))
+    mass = jnp.sum(left, axis=-1, keepdims=True)
+    return jnp.where(mass > 0, left / jnp.where(mass > 0, mass, 1.0), q), mass[:, 0] > 0
+
+
+def first_three_tokens(policy_name: str, shape: str, sampling: SamplingParams, seed: int,
+                       wrong_q: bool = False) -> np.ndarray:
     """Run NUM_SAMPLES independent rounds in one jitted call; return their first three output tokens [B, 3].
 
     shape: "chain-..." (two draft tokens, x1 ~ q, x2 ~ q(. | x1)) or "tree-..." (root children a, b, each with
-    two children); "...-sampled" drafts i.i.d. from q (probs given), "...-top" takes q's top-k (probs None).
+    two children); "...-sampled" drafts i.i.d. from q (probs given), "...-top" takes q's top-k (probs None);
+    "tree-withoutreplacement": the same tree with each node's two children drawn WITHOUT replacement (the second
+    from q less the first, and carrying that q; a sampled DSpark tree); "tree-lookup": the hybrid drafter's shape,
+    a deterministic lookup branch l1 -> l2 (q one-hot; here q's top tokens, so it often proposes what the
+    sampled siblings draw) tried first, beside the model's root children a, b drawn without replacement and a's
+    child. `wrong_q`: those two shapes' bug, each sibling claiming plain q (the second child as if drawn with
+    replacement; the lookup's nodes as if drawn from the model's q).
     The tables are jit arguments, not closure constants: XLA would otherwise constant-fold [B, V] arrays.
     """
     policy = get_policy(policy_name)
@@ -89,6 +108,7 @@ def first_three_tokens(policy_name: str, shape: str, sampling: SamplingParams, s
         (l0, l1, l2), (_, p1, p2), (q0, q1), (ranked0, ranked1) = target, p_tables, q_tables, ranked
         u = jax.random.uniform(key, (b * 8,)).reshape(b, 8)  # 6 for drafting, 2 for continuing
         q0 = jnp.broadcast_to(q0, (b, V))
+        valid = None
 
         def children(column, q_rows, ranked_rows, count):
             """`count` children per row: i.i.d. draws from q_rows [B, V], or the top-`count` tokens of q."""
@@ -96,22 +116,52 @@ def first_three_tokens(policy_name: str, shape: str, sampling: SamplingParams, s
                 return inverse_cdf(u[:, column:column + count], q_rows[:, None, :])
             return jnp.broadcast_to(ranked_rows[..., :count], (b, count))
 
+        def two_without_replacement(column, q_rows):
+            """Two children drawn without replacement from q_rows [B, V]: (first, second, the second's q, whether
+            a second one was left to draw)."""
+            first = inverse_cdf(u[:, column], q_rows)
+            rest, left = without(q_rows, first)
+            return first, inverse_cdf(u[:, column + 1], rest), q_rows if wrong_q else rest, left
+
         if kind == "chain":
             x1 = children(0, q0, ranked0, 1)[:, 0]
             x2 = children(1, q1[x1], ranked1[x1], 1)[:, 0]
             tokens, parents = jnp.stack([x1, x2], 1), jnp.array([-1, 0])
             probs = jnp.stack([q0, q1[x1]], 1)
             logits = jnp.stack([jnp.broadcast_to(l0, (b, V)), l1[x1], l2[x1, x2]], 1)
+        elif drafting == "lookup":  # nodes: 0 = l1, 1 = l2 (child of l1); 2, 3 = a, b (root); 4 = child of a
+            look1 = jnp.broadcast_to(ranked0[0], (b,))
+            look2 = ranked1[look1, 0]
+            a, bb, qb, left = two_without_replacement(0, q0)
+            ca = inverse_cdf(u[:, 2], q1[a])
+            tokens = jnp.stack([look1, look2, a, bb, ca], 1)
+            parents = jnp.array([-1, 0, -1, -1, 2])
+            one_hot = lambda x: jax.nn.one_hot(x, V, dtype=jnp.float32)  # noqa: E731
+            lookup_q = [q0, q1[look1]] if wrong_q else [one_hot(look1), one_hot(look2)]
+            probs = jnp.stack(lookup_q + [q0, qb, q1[a]], 1)
+            valid = jnp.stack([jnp.ones((b,), bool), jnp.ones((b,), bool), jnp.ones((b,), bool), left,
+                               jnp.ones((b,), bool)], 1)
+            logits = jnp.stack([jnp.broadcast_to(l0, (b, V)), l1[look1], l2[look1, look2], l1[a], l1[bb],
+                                l2[a, ca]], 1)
         else:  # nodes: 0 = a, 1 = b (root children); 2, 3 = children of a; 4, 5 = children of b
-            top = children(0, q0, ranked0, 2)
-            a, bb = top[:, 0], top[:, 1]
-            ca, cb = children(2, q1[a], ranked1[a], 2), children(4, q1[bb], ranked1[bb], 2)
+            if drafting == "withoutreplacement":
+                a, bb, qb, left = two_without_replacement(0, q0)
+                ca0, ca1, qa1, left_a = two_without_replacement(2, q1[a])
+                cb0, cb1, qb1, left_b = two_without_replacement(4, q1[bb])
+                ca, cb = jnp.stack([ca0, ca1], 1), jnp.stack([cb0, cb1], 1)
+                probs = jnp.stack([q0, qb, q1[a], qa1, q1[bb], qb1], 1)
+                true = jnp.ones((b,), bool)
+                valid = jnp.stack([true, left, true, left_a, left, left & left_b], 1)
+            else:
+                top = children(0, q0, ranked0, 2)
+                a, bb = top[:, 0], top[:, 1]
+                ca, cb = children(2, q1[a], ranked1[a], 2), children(4, q1[bb], ranked1[bb], 2)
+                probs = jnp.stack([q0, q0, q1[a], q1[a], q1[bb], q1[bb]], 1)
             tokens = jnp.stack([a, bb, ca[:, 0], ca[:, 1], cb[:, 0], cb[:, 1]], 1)
             parents = jnp.array([-1, -1, 0, 0, 1, 1])
-            probs = jnp.stack([q0, q0, q1[a], q1[a], q1[bb], q1[bb]], 1)
             logits = jnp.stack([jnp.broadcast_to(l0, (b, V)), l1[a], l1[bb], l2[a, ca[:, 0]], l2[a, ca[:, 1]],
                                 l2[bb, cb[:, 0]], l2[bb, cb[:, 1]]], 1)
-        d = Draft.tree(tokens, parents, probs if drafting == "sampled" else None)
+        d = Draft.tree(tokens, parents, None if drafting == "top" else probs, valid)
         out = policy.verify(d, logits, sampling, jax.random.fold_in(key, 1)).tokens[:, :3]
 
         # continue with the target itself where the round committed fewer than three tokens
@@ -155,7 +205,8 @@ def assert_rejected(samples, exact):
 
 
 CASES = [("rejection_chain", "chain-sampled"), ("rejection_chain", "chain-top"),
-         ("multidraft_tree", "tree-sampled"), ("multidraft_tree", "tree-top")]
+         ("multidraft_tree", "tree-sampled"), ("multidraft_tree", "tree-top"),
+         ("multidraft_tree", "tree-withoutreplacement"), ("multidraft_tree", "tree-lookup")]
 
 
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
@@ -186,6 +237,15 @@ def test_broken_verifier_is_caught(monkeypatch, module, broken, policy_name, sha
     seed = 11
     samples = first_three_tokens(policy_name, shape, sampling, seed)
     assert_rejected(samples, exact_joint(logit_tables(seed)[0], sampling))
+
+
+@pytest.mark.parametrize("shape", ["tree-withoutreplacement", "tree-lookup"])
+def test_siblings_claiming_plain_q_are_caught(shape):
+    """The two sibling shapes' own bug: a second child drawn without replacement that claims plain q, and a
+    lookup branch whose nodes claim the model's q instead of their one-hot."""
+    sampling = SAMPLINGS["t1"]
+    samples = first_three_tokens("multidraft_tree", shape, sampling, seed=11, wrong_q=True)
+    assert_rejected(samples, exact_joint(logit_tables(11)[0], sampling))
 
 
 def test_typical_acceptance_is_lossy_and_the_check_sees_it():
