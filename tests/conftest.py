@@ -9,7 +9,7 @@
   and drafter tests decode with.
 
 Every test file ends by dropping JAX's compiled programs (`jax.clear_caches`): with `--dist loadfile` a worker
-runs ~30 files, and twice in session 25 (and once in CI before) a worker that had compiled hundreds of programs
+runs ~30 files, and in two full runs (and once in CI) a worker that had compiled hundreds of programs
 died of a segmentation fault inside XLA:CPU's compiler, 96-97% into the run, on programs that compile fine in a
 fresh process (the megakernel engine test, the hybrid drafter's adaptive test). Dropping them bounds what a
 worker accumulates; the root cause is not known.

@@ -3,7 +3,7 @@ lossless: greedy output equals the reference backend's autoregressive output tok
 
 The check runs in a child process (`python -m tests.test_megakernel_engine`). XLA:CPU once died of a
 segmentation fault compiling this program, the largest of the suite, in an xdist worker that had already
-compiled hundreds of others (session 25, 96% into a full run; alone it compiles in ~10 s and passes). A fresh
+compiled hundreds of others (96% into a full run; alone it compiles in ~10 s and passes). A fresh
 process per check keeps one crash from taking down a worker and the rest of the run, and says which check it was.
 """
 

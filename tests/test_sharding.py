@@ -205,7 +205,7 @@ def check_logits(work):
             # near-zero logit) on this project's 2-core VMs of 2026-12-01, where 1e-5 had passed before
             np.testing.assert_allclose(got.logits, want.logits, rtol=1e-4, atol=3e-5, err_msg=where)
             # the residual stream is O(1) here (peaky weights): all-reduce order moves its last bits (1.1e-4 on
-            # one tap of 6,144 on session 41's VM, where 1e-4 had passed on the earlier ones)
+            # one tap of 6,144 on one VM, where 1e-4 had passed on others)
             np.testing.assert_allclose(got.hidden, want.hidden, rtol=1e-4, atol=2e-4, err_msg=where)
             np.testing.assert_allclose(got.taps, want.taps, rtol=1e-4, atol=2e-4, err_msg=where)
             for a, b in zip(jax.tree.leaves(got.cache), jax.tree.leaves(want.cache)):

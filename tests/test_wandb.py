@@ -1,8 +1,8 @@
 """Weights & Biases tracking (experiments/tracking.py), offline: no account, no network.
 
 W&B starts a service process and background threads that live until the interpreter exits, so in a pytest-xdist
-worker they outlive the test. (They were alive in the worker CI saw die of a segmentation fault in session 24;
-session 25 saw the same crash with no W&B thread, in XLA compiling tests/test_megakernel_engine.py, so they were
+worker they outlive the test. (They were alive in a worker CI saw die of a segmentation fault;
+a later full run saw the same crash with no W&B thread, in XLA compiling tests/test_megakernel_engine.py, so they were
 not its cause.) The W&B checks run in ONE child process started here (`python -m tests.test_wandb DIR`), which
 runs every check and reports each result as JSON; the tests below assert one check each.
 
