@@ -31,6 +31,9 @@ Inputs, both known before the target runs:
   pay for its width doubles that gap (up to `explore_max`) and one that pays resets it; the gap is never shorter
   than the exploring round's extra cost allows (`explore_budget` of the plain rounds' time).
 
+A width > 0 must beat width 0 by `margin`: the measured costs are good to a few percent, so a predicted gain
+smaller than that is as likely a loss.
+
 Two decisions per round (the Scheduler protocol, specdec/scheduler.py):
 1. `plan`, before drafting, from the history alone: if W = 0 wins the draft is skipped (any drafter: it catches
    up on the skipped rounds' tokens before it drafts again, `Drafter.update`), unless the draft costs at most
@@ -139,6 +142,9 @@ class AdaptiveWidth(Scheduler):
     # (C(narrowest) / C(0) - 1) / explore_budget rounds, so exploring spends at most this share of the plain
     # rounds' time (within [explore_every, explore_max]; a batch-8 suffix round costs ~1.7 plain ones). 0: no floor.
     explore_budget: float = 0.02
+    # Verify only if the expected tokens/s beat a plain step's by this factor: the costs are measured to a few
+    # percent, so a width predicted to win by less is as likely to lose.
+    margin: float = 0.05
     # Calibration (the module docstring): the realised / expected accepted drafts of the verified rounds, decayed
     # by `calibration_decay` per verified round from `calibration_weight` pseudo-tokens at ratio 1, scales every
     # expected gain; only for batches of at least `calibration_min_batch` rows. Weight 0 turns it off.
@@ -183,6 +189,7 @@ class AdaptiveWidth(Scheduler):
         require(self.explore_max >= self.explore_every, "explore_max",
                 f"must be >= explore_every ({self.explore_every!r}), got {self.explore_max!r}")
         require(0.0 <= self.explore_budget < 1.0, "explore_budget", f"must be in [0, 1), got {self.explore_budget!r}")
+        require(0.0 <= self.margin < 1.0, "margin", f"must be in [0, 1), got {self.margin!r}")
         require(0.0 <= self.calibration_decay < 1.0, "calibration_decay",
                 f"must be in [0, 1), got {self.calibration_decay!r}")
         require(self.calibration_weight >= 0, "calibration_weight", f"must be >= 0, got {self.calibration_weight!r}")
@@ -360,8 +367,10 @@ class AdaptiveWidth(Scheduler):
     # -- decisions ---------------------------------------------------------------------------------------
 
     def _best(self, value: jax.Array, cost: jax.Array, allowed: jax.Array) -> jax.Array:
-        """argmax_k value[k] / cost[k] over allowed widths (ties: the narrower)."""
+        """argmax_k value[k] / cost[k] over allowed widths (ties: the narrower); a width > 0 (index > 0) must
+        beat width 0 by the factor 1 + margin."""
         theta = value / jnp.maximum(cost, 1e-9)
+        theta = theta / jnp.where(jnp.arange(theta.shape[0]) > 0, 1.0 + self.margin, 1.0)
         return jnp.argmax(jnp.where(allowed, theta, -jnp.inf)).astype(jnp.int32)
 
     def _allowed(self, st: AdaptiveState, widths, num_nodes: int, tree: bool, ordered: bool) -> jax.Array:

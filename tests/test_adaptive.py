@@ -545,6 +545,18 @@ def test_a_skipped_round_is_recorded_as_refine_records_a_skipped_draft():
                 remaining = remaining - 1
 
 
+def test_a_width_must_beat_a_plain_step_by_the_margin():
+    """Position 1 always drafted and accepted with prob 0.6: width 1 yields 1.6 tokens for cost 1.55, i.e. 3%
+    more tokens/s than a plain step (1 token, cost 1.0). Without a margin it is chosen; with 5% it is not."""
+    widths = (0, 1)
+    for margin, expected in ((0.0, 1), (0.05, 0)):
+        sched = AdaptiveWidth(margin=margin)
+        st = state_with(sched, [[6000.0]], [[10000.0]], [[10000.0]], [[10000.0]], ((1.0, 1.55), 0.0))
+        assert int(sched.plan_width(st, widths, jnp.asarray([True]), tree=False)) == expected, margin
+    with pytest.raises(ValueError, match="margin"):
+        AdaptiveWidth(margin=1.0)
+
+
 def test_host_side_drafter_runs_width_0_rounds_in_compiled_bursts(monkeypatch):
     """The suffix drafter (Python state) skips runs of width-0 rounds in one compiled call, then syncs from the
     context once: the output stays AR's, and fewer host rounds run than tokens were committed."""
@@ -788,7 +800,7 @@ def test_adaptive_config_and_bad_inputs():
                           ("scheduler.objective=fastest", "scheduler.objective"),
                           ("scheduler.score_bins=[0.7, 0.2]", "scheduler.score_bins"),
                           ("scheduler.threshold=0.5", "scheduler.threshold"),  # a key of another kind
-                          ("scheduler.margin=0.05", "scheduler.margin")]:  # a removed knob
+                          ("scheduler.prior_weight=2", "scheduler.prior_weight")]:  # a constant, not a key
         with pytest.raises(ConfigError) as err:
             apply_overrides(cfg, [override])
         assert err.value.key == key, (override, err.value)

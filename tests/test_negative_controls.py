@@ -29,7 +29,7 @@ from drafters.ngram import NgramDrafter
 from specdec import testing
 from specdec.adaptive import AdaptiveWidth
 from specdec.drafter import Draft
-from specdec.sampling import SamplingParams, probabilities
+from specdec.sampling import SamplingParams, probabilities, sample
 from specdec.testing import (NUM_SAMPLES, assert_biased, assert_lossless, distribution_target, lossless_pvalues,
                              sampled_joint)
 from tests.test_adaptive import given_costs
@@ -196,7 +196,8 @@ class _TopPDraws(dflash.DFlashDrafter):
     def propose(self, params, state, ctx, sampling, key):
         loose, state = super().propose(params, state, ctx, dataclasses.replace(sampling, top_p=1.0), key)
         nucleus = probabilities(jnp.log(loose.probs), SamplingParams(temperature=1.0, top_p=sampling.top_p))
-        tokens = jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(nucleus), axis=-1)
+        offsets = jnp.arange(nucleus.shape[1], dtype=jnp.int32)  # node j is the token at offset j (a chain)
+        tokens = sample(key, jnp.log(nucleus), SamplingParams(temperature=1.0), offsets)
         return Draft.chain(tokens, probs=loose.probs if self.forgets_top_p else nucleus), state
 
 
