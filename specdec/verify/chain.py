@@ -35,7 +35,13 @@ def greedy_chain(draft: Draft, target_logits: jax.Array, sampling: SamplingParam
     """
     del key
     require_greedy("greedy_chain", sampling)
-    target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N+1]
+    return match_chain(draft, jnp.argmax(target_logits, axis=-1).astype(jnp.int32))
+
+
+def match_chain(draft: Draft, target: jax.Array) -> VerifyResult:
+    """Accept while the draft equals the target's token at each position (int32 [B, N+1], one per verified
+    position); commit the target's token after the accepted prefix. The target's token is fixed before the
+    draft is looked at (the argmax, or the keyed sample of `specdec.verify.invariant`)."""
     num_accepted = _leading_true(draft.valid & (draft.tokens == target[:, :-1]))
     next_token = jnp.take_along_axis(target, num_accepted[:, None], axis=1)[:, 0]
     return _chain_result(draft, num_accepted, next_token)

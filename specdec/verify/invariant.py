@@ -27,9 +27,9 @@ import jax.numpy as jnp
 
 from specdec.drafter import Draft, VerifyResult
 from specdec.sampling import SamplingParams, as_sample_key, sample
-from specdec.verify.base import Policy, commit, node_offsets
-from specdec.verify.chain import _chain_result, _leading_true
-from specdec.verify.tree import longest_accepted_path
+from specdec.verify.base import Policy, node_offsets
+from specdec.verify.chain import match_chain
+from specdec.verify.tree import match_tree
 
 
 def target_samples(target_logits: jax.Array, sampling: SamplingParams, key, offsets: jax.Array) -> jax.Array:
@@ -41,10 +41,7 @@ def target_samples(target_logits: jax.Array, sampling: SamplingParams, key, offs
 def invariant_chain(draft: Draft, target_logits: jax.Array, sampling: SamplingParams, key) -> VerifyResult:
     """Accept while each draft token equals the target's keyed sample there; commit the target's sample after."""
     n = draft.num_nodes
-    target = target_samples(target_logits, sampling, key, jnp.arange(n + 1, dtype=jnp.int32))  # [B, N+1]
-    num_accepted = _leading_true(draft.valid & (draft.tokens == target[:, :-1]))
-    next_token = jnp.take_along_axis(target, num_accepted[:, None], axis=1)[:, 0]
-    return _chain_result(draft, num_accepted, next_token)
+    return match_chain(draft, target_samples(target_logits, sampling, key, jnp.arange(n + 1, dtype=jnp.int32)))
 
 
 def invariant_tree(draft: Draft, target_logits: jax.Array, sampling: SamplingParams, key) -> VerifyResult:
@@ -52,12 +49,7 @@ def invariant_tree(draft: Draft, target_logits: jax.Array, sampling: SamplingPar
     at its parent (the sample of the parent's path at the parent's depth + 1) and its parent was accepted."""
     b = draft.batch_size
     offsets = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), node_offsets(draft.parents) + 1], axis=1)
-    target = target_samples(target_logits, sampling, key, offsets)  # [B, N+1]; index 0 = root
-    at_parent = jnp.take_along_axis(target, draft.parents + 1, axis=1)
-    accepted = draft.valid & (draft.tokens == at_parent)
-    num_accepted, path, last = longest_accepted_path(draft.parents, accepted)
-    next_token = jnp.take_along_axis(target, (last + 1)[:, None], axis=1)[:, 0]
-    return commit(draft.tokens, path, num_accepted, next_token)
+    return match_tree(draft, target_samples(target_logits, sampling, key, offsets))
 
 
 INVARIANT_CHAIN = Policy("invariant_chain", lossless=True, supports_trees=False, greedy_only=False,

@@ -55,7 +55,14 @@ def greedy_tree(draft: Draft, target_logits: jax.Array, sampling: SamplingParams
     """
     del key
     require_greedy("greedy_tree", sampling)
-    target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N+1]; index 0 = root
+    return match_tree(draft, jnp.argmax(target_logits, axis=-1).astype(jnp.int32))
+
+
+def match_tree(draft: Draft, target: jax.Array) -> VerifyResult:
+    """Follow the target's tokens down the tree (int32 [B, N+1]: index 0 at the root, i+1 at node i): a node is
+    accepted iff its token is the target's token at its parent and its parent was accepted; commit the target's
+    token at the last accepted node. The target's tokens are fixed before the draft is looked at (the argmax,
+    or the keyed samples of `specdec.verify.invariant`)."""
     at_parent = jnp.take_along_axis(target, draft.parents + 1, axis=1)
     accepted = draft.valid & (draft.tokens == at_parent)
     num_accepted, path, last = longest_accepted_path(draft.parents, accepted)
