@@ -365,12 +365,15 @@ def cmd_train(args) -> int:
     print(f"\n{task.name} trained for {summary['steps']} steps in {summary['seconds']} s -> {run_dir}")
     print(_summary_lines(summary, ["trainable_parameters", "train_examples", "eval_examples",
                                    "train_tokens_per_second", "bytes_per_token_cached"]))
-    if final:
+    if final and "loss" in final:
         was = (lambda key: f"{first[key]:.4f} -> ") if first else (lambda key: "")
         print(f"  held-out loss            {was('loss')}{final['loss']:.4f}")
         print(f"  expected tau (k={final['draft_len']}, T=1) {was('expected_tau')}{final['expected_tau']:.4f}")
         print(f"  greedy tau               {was('greedy_tau')}{final['greedy_tau']:.4f}")
         print(f"  acceptance by step       {final['acceptance_by_step']}")
+    for name, ev in ((final or {}).get("sets") or {}).items():
+        print(f"  {name}: expected tau {ev['expected_tau']:.4f}, greedy tau {ev['greedy_tau']:.4f}, acceptance by "
+              f"step {ev['acceptance_by_step']}")
     print(f"  use it: drafter.name={task.name} drafter.path={run_dir}")
     return 0
 

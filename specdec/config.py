@@ -316,6 +316,16 @@ class TrainConfig:
     seed: int = 0  # parameter init, data order and training rng
     drafter_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # architecture/loss options of the drafter's trainer
     eval_examples: int = 64  # held-out examples (by id hash) for eval loss and teacher-forced expected tau
+    # More evaluation sets, each evaluated like the held-out examples at every evaluation and reported under its
+    # directory's name: other `specdec data` outputs of the same target, e.g. its answers to the benchmark prompts
+    # (is the drafter limited by its data's distance from them, or by what it can learn?). Online features.
+    eval_data: tuple[str, ...] = ()
+    # Also evaluate on the first N training examples (a "train" set beside the held-out one): with
+    # `limit_examples` the overfit check (a drafter that cannot fit a few hundred answers has a bug).
+    eval_train_examples: int = 0
+    # Train on only the first N training examples (after the held-out split; null: all): the data-size axis of
+    # a study, with everything else equal.
+    limit_examples: int | None = None
     log_every: int = 10
     features: Literal["online", "cached"] = "online"  # target taps computed in the step, or cached on disk
     features_dir: str | None = None  # feature cache location; None: under data_dir/features/
@@ -342,7 +352,9 @@ class TrainConfig:
         _require(all(0 < b < self.seq_len for b in self.length_buckets)
                  and list(self.length_buckets) == sorted(set(self.length_buckets)), "length_buckets",
                  f"must be increasing lengths below seq_len={self.seq_len}, got {list(self.length_buckets)}")
-        _at_least(self, 0, "eval_examples", "skip_shards")
+        _at_least(self, 0, "eval_examples", "skip_shards", "eval_train_examples")
+        _require(self.limit_examples is None or self.limit_examples >= 1, "limit_examples",
+                 f"must be >= 1 or null, got {self.limit_examples!r}")
         _at_least(self, 0, "weight_decay", "clip_norm")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr!r}")
         _require(0 <= self.warmup_frac < 1, "warmup_frac", f"must be in [0, 1), got {self.warmup_frac!r}")

@@ -83,7 +83,8 @@ def test_pack_stage_over_calls_assemble_and_results_round_trip(tmp_path, monkeyp
     with pytest.raises(DT.DeviceTrainError, match="corrupt"):
         DT.stage_parts(bad.parent, stage)
 
-    # the results: params split under the file limit, the rest in one bundle, unpacked into a drafter directory
+    # the results: each drafter's params split under the file limit, the rest in one bundle, unpacked into one
+    # drafter directory per drafter
     monkeypatch.setattr(DT, "OUT_FILE_LIMIT", 50_000)
     drafter = tmp_path / "drafter"
     drafter.mkdir()
@@ -91,19 +92,39 @@ def test_pack_stage_over_calls_assemble_and_results_round_trip(tmp_path, monkeyp
     (drafter / "drafter.json").write_text(json.dumps({"drafter": "dspark"}))
     (tmp_path / "log.txt").write_text("the device's log\n")
     out = tmp_path / "OUT"
-    DT.write_results(drafter, [tmp_path / "log.txt", tmp_path / "absent.json"], out, {"reached": "drafter"})
+    DT.write_results({"dspark_s0": drafter}, [tmp_path / "log.txt", tmp_path / "absent.json"], out,
+                     {"reached": "drafters", "jobs": []})
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["bundle.tar.gz", "device.json", "params.npz.000", "params.npz.001", "params.npz.002"]
-    assert all(os.path.getsize(out / f) <= 50_000 for f in files if f.startswith("params"))
+    assert files == ["bundle.tar.gz", "device.json", "dspark_s0.params.npz.000", "dspark_s0.params.npz.001",
+                     "dspark_s0.params.npz.002"]
+    assert all(os.path.getsize(out / f) <= 50_000 for f in files if ".params." in f)
     manifest = DT.unpack(out, tmp_path / "back")
-    assert manifest["reached"] == "drafter"
-    assert (tmp_path / "back" / "params.npz").read_bytes() == (drafter / "params.npz").read_bytes()
-    assert json.loads((tmp_path / "back" / "drafter.json").read_text()) == {"drafter": "dspark"}
+    assert manifest["reached"] == "drafters"
+    back = tmp_path / "back" / "dspark_s0"
+    assert (back / "params.npz").read_bytes() == (drafter / "params.npz").read_bytes()
+    assert json.loads((back / "drafter.json").read_text()) == {"drafter": "dspark"}
     assert (tmp_path / "back" / "device" / "log.txt").read_text() == "the device's log\n"
-    # a run that got no drafter says how far it got
-    DT.write_results(tmp_path / "none", [tmp_path / "log.txt"], tmp_path / "OUT2", {"reached": "data",
-                                                                                   "error": "the train job failed"})
-    with pytest.raises(DT.DeviceTrainError, match="no drafter .*reached: data.*the train job failed"):
+    # a run that got no drafter and ran no job says how far it got
+    DT.write_results({}, [tmp_path / "log.txt"], tmp_path / "OUT2", {"reached": "staged",
+                                                                   "error": "the install failed"})
+    with pytest.raises(DT.DeviceTrainError, match="no drafter .*reached: staged.*the install failed"):
         DT.unpack(tmp_path / "OUT2", tmp_path / "back2")
     with pytest.raises(DT.DeviceTrainError, match="holds no device.json"):
         DT.unpack(tmp_path, tmp_path / "back3")
+
+
+def test_study_files_list_jobs_and_refuse_bad_ones(tmp_path):
+    """A study file is jobs run in order and drafters to bring back; any other config is its data and train job;
+    a malformed job is an error that names it."""
+    study = DT.load_study(str(TINY.parents[0] / "studies" / "same_budget_tpu.yaml"))
+    assert [j["run"] for j in study["jobs"]] == ["data"] * 3 + ["train"] * 6
+    assert study["bring_back"][:3] == ["dspark_s0", "dflash_s0", "eagle3_s0"]
+    single = DT.load_study(str(TINY))
+    assert [j["run"] for j in single["jobs"]] == ["data", "train"] and single["bring_back"] is None
+    bad = tmp_path / "bad.yaml"
+    for text, message in [("jobs: []", "non-empty list"), ("jobs: [{run: eval, config: x.yaml}]", "job 0 must be"),
+                          ("jobs: [{run: train, config: x.yaml, steps: 3}]", "unknown key"),
+                          ("jobs: [{run: train, config: x.yaml, set: a=b}]", "list of key=value")]:
+        bad.write_text(text)
+        with pytest.raises(DT.DeviceTrainError, match=message):
+            DT.load_study(str(bad))

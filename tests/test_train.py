@@ -689,3 +689,32 @@ def test_length_grouped_batch_order_visits_each_example_once_and_resumes():
     assert all(np.array_equal(a.next(), b.next()) for _ in range(200))
     with pytest.raises(ValueError, match="length_buckets"):
         load_config(CONFIG, ["train.length_buckets=[64, 32]"])
+
+
+def test_evaluation_sets_and_example_limit_for_studies(work, data_dir, target):
+    """train.limit_examples trains on the first N examples only; train.eval_train_examples and train.eval_data
+    are evaluated beside the held-out set at every evaluation (the overfit check: the examples trained on score
+    above the held-out ones); bad values are clear errors."""
+    drafters.available()
+    cfg = load_config(CONFIG, overrides(work, data_dir, "medusa"))
+    tcfg = dataclasses.replace(cfg.train, steps=40, checkpoint_every=100, eval_every=20, limit_examples=8,
+                               eval_train_examples=8, eval_data=(str(data_dir),))
+    task = make_task("medusa", target, cfg.train.drafter_options)
+    data = D.load_distill_data(data_dir)
+    run = work / "runs" / "medusa_study"
+    summary = train(task, target, data, tcfg, run, progress=False, eval_draft_len=3, log=lambda s: None)
+    assert summary["train_examples"] == 8
+    final = summary["final_eval"]
+    train_set, whole = final["sets"]["train"], final["sets"][Path(data_dir).name]
+    assert train_set["expected_tau"] > final["expected_tau"] + 0.05, (train_set, final)
+    assert whole["slots"] > final["slots"] > 0 and train_set["slots"] > 0
+    kinds = {json.loads(line)["kind"] for line in (run / "metrics.jsonl").read_text().splitlines()}
+    assert {"eval", "eval/train", f"eval/{Path(data_dir).name}"} <= kinds
+    with pytest.raises(D.DataError, match="limit_examples=100000 is more than"):
+        train(task, target, data, dataclasses.replace(tcfg, limit_examples=100000), work / "runs" / "x",
+              progress=False, log=lambda s: None)
+    with pytest.raises(D.DataError, match="share a name"):
+        train(task, target, data, dataclasses.replace(tcfg, eval_data=(str(data_dir), str(data_dir))),
+              work / "runs" / "y", progress=False, log=lambda s: None)
+    with pytest.raises(ValueError, match="limit_examples: must be >= 1"):
+        load_config(CONFIG, ["train.limit_examples=0"])

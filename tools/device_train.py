@@ -50,6 +50,7 @@ PACK_DIR = ".device"  # ignored by .gitignore; each call carries some of its fol
 CALL_LIMIT = 64 * 2**20  # what one call carries, the working tree included
 CALL_MARGIN = 2**20  # kept free: the tree may grow a little between pack and the calls
 OUT_FILE_LIMIT = 15 * 2**20  # files back: <= 16 MiB each, at most 8
+BRING_BACK_BYTES = 56 * 2**20  # drafters' params in one call's files back (64 MiB in all, the bundle beside them)
 WHEELS = ("datasets", "dill", "multiprocess", "gguf", "platformdirs")  # missing on the device image
 PLAN = "plan.json"
 MANIFEST = "device.json"
@@ -188,16 +189,56 @@ def plan_calls(model_bytes: int, common_bytes: int, room: int) -> list[int]:
     return sizes
 
 
+JOB_KINDS = ("data", "train")
+
+
+def load_study(path: str) -> dict:
+    """The work of the device call as {"jobs": [...], "bring_back": [...]}. A study file (YAML with `jobs`)
+    lists the jobs run in order, each {run: data | train, config: <config.yaml>, set: [key=value, ...], seconds:
+    its budget}, and in `bring_back` the output names of train jobs whose drafters come back (float16; two fit in
+    a call's 64 MiB). Any other config is one data job and one train job of it, its drafter brought back."""
+    import yaml
+
+    text = yaml.safe_load(Path(path).read_text())
+    if not (isinstance(text, dict) and "jobs" in text):
+        return {"jobs": [{"run": "data", "config": path, "set": [], "seconds": None},
+                         {"run": "train", "config": path, "set": [], "seconds": None}], "bring_back": None}
+    jobs = text["jobs"]
+    if not isinstance(jobs, list) or not jobs:
+        raise DeviceTrainError(f"{path}: `jobs` must be a non-empty list")
+    for i, job in enumerate(jobs):
+        if not isinstance(job, dict) or job.get("run") not in JOB_KINDS or not job.get("config"):
+            raise DeviceTrainError(f"{path}: job {i} must be {{run: data|train, config: ..., set: [...], seconds: "
+                                   f"N}}, got {job!r}")
+        unknown = set(job) - {"run", "config", "set", "seconds"}
+        if unknown:
+            raise DeviceTrainError(f"{path}: job {i} has unknown key(s) {sorted(unknown)}")
+        if not isinstance(job.get("set", []), list) or not isinstance(job.get("seconds", 0), (int, float)):
+            raise DeviceTrainError(f"{path}: job {i}: `set` must be a list of key=value and `seconds` a number")
+        job.setdefault("set", [])
+        job.setdefault("seconds", None)
+    bring = text.get("bring_back") or []
+    if not isinstance(bring, list):
+        raise DeviceTrainError(f"{path}: `bring_back` must be a list of train jobs' output names")
+    return {"jobs": jobs, "bring_back": bring}
+
+
 def pack(config: str = DEFAULT_CONFIG, out: Path = REPO / PACK_DIR, *, model_file: Path | None = None,
          room: int | None = None, wheels: bool = True, data_root: str | None = None) -> dict:
     """Write out/part<i>/ (model parts, plan.json) and out/common/ (wheels, data files, plan.json); returns the
-    plan. `room`: bytes a call may carry beside the tree (default: 64 MiB - the tree - 1 MiB)."""
+    plan. `config`: a train config or a study file (`load_study`). `room`: bytes a call may carry beside the
+    tree (default: 64 MiB - the tree - 1 MiB)."""
     import yaml
 
     from specdec.config import load_config, to_dict
     from specdec.models import registry
 
-    cfg = load_config(config)
+    study = load_study(config)
+    cfgs = [load_config(job["config"], job["set"]) for job in study["jobs"]]
+    if len({c.model.name for c in cfgs}) != 1:
+        raise DeviceTrainError(f"{config}: the jobs use several models ({sorted({c.model.name for c in cfgs})}); "
+                               "a pack carries one")
+    cfg = cfgs[0]
     model = Path(model_file) if model_file else registry.resolve(cfg.model.name)
     if not str(model).endswith(".gguf"):
         raise DeviceTrainError(f"model {cfg.model.name!r} is not a GGUF file ({model}): the device path carries one")
@@ -206,7 +247,7 @@ def pack(config: str = DEFAULT_CONFIG, out: Path = REPO / PACK_DIR, *, model_fil
     common.mkdir(parents=True)
     pins = download_wheels(common / "wheels") if wheels else []
     data_root = data_root or os.environ.get("SPECDEC_DATA")
-    files = _data_files(to_dict(cfg))
+    files = sorted({f for c in cfgs for f in _data_files(to_dict(c))})
     if files and not data_root:
         raise DeviceTrainError(f"{config} reads {', '.join(files)} under $SPECDEC_DATA: set SPECDEC_DATA")
     for rel in files:
@@ -231,7 +272,7 @@ def pack(config: str = DEFAULT_CONFIG, out: Path = REPO / PACK_DIR, *, model_fil
     plan = {"config": config, "model": cfg.model.name, "gguf": model.name, "gguf_sha256": sha256(model),
             "gguf_bytes": model.stat().st_size, "xz_sha256": sha256(xz), "parts": parts, "wheels": pins,
             "data_files": files, "room_bytes": room, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "config_text": yaml.safe_dump(to_dict(cfg), sort_keys=False)}
+            "study": study, "config_text": yaml.safe_dump(to_dict(cfg), sort_keys=False)}
     for folder in [common] + [out / f"part{i}" for i in range(len(parts))]:
         (folder / PLAN).write_text(json.dumps(plan, indent=2))
     return plan
@@ -297,15 +338,15 @@ class Job:
     """A `specdec` command run as a child process with its output teed into a log, stopped with SIGTERM (which
     the training loop turns into a saved checkpoint) if it outlives `stop_at` (a time.monotonic() value)."""
 
-    def __init__(self, args: list[str], env: dict, log, stop_at: float):
-        self.args, self.env, self.log, self.stop_at = args, env, log, stop_at
+    def __init__(self, args: list[str], env: dict, log, stop_at: float, cwd: Path = REPO):
+        self.args, self.env, self.log, self.stop_at, self.cwd = args, env, log, stop_at, cwd
 
     def run(self) -> int:
         import threading
 
         self.log(f"$ {' '.join(self.args)}")
         proc = subprocess.Popen(self.args, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, cwd=REPO)
+                                text=True, bufsize=1, cwd=self.cwd)
         reader = threading.Thread(target=lambda: [self.log(line.rstrip("\n")) for line in proc.stdout], daemon=True)
         reader.start()
         try:
@@ -322,18 +363,22 @@ class Job:
         return proc.returncode
 
 
-def write_results(drafter_dir: Path, extra: list[Path], out: Path, manifest: dict) -> dict:
-    """The drafter's params.npz split into <= 15 MiB files, everything else (its drafter.json, config, summary,
-    and the `extra` files: logs, the data summary, metrics) in one tar.gz, and device.json: <= 8 files."""
+def write_results(drafters: dict[str, Path], extra: list[Path], out: Path, manifest: dict) -> dict:
+    """Each drafter's params.npz split into <= 15 MiB files named <drafter>.params.npz.NNN, everything else
+    (their drafter.json, config, summary, and the `extra` files: logs, summaries, metrics) in one tar.gz, and
+    device.json: <= 8 files when the drafters fit (size `bring_back` so)."""
     out.mkdir(parents=True, exist_ok=True)
-    params = drafter_dir / PARAMS
-    if params.is_file():
-        manifest["params"] = {"sha256": sha256(params), "bytes": params.stat().st_size,
-                              "parts": split_file(params, out, OUT_FILE_LIMIT, PARAMS)}
+    manifest["drafters"] = []
     with tarfile.open(out / BUNDLE, "w:gz") as tar:
-        for path in sorted(drafter_dir.glob("*")) if drafter_dir.is_dir() else ():
-            if path.is_file() and path.name != PARAMS:
-                tar.add(path, arcname=f"drafter/{path.name}")
+        for name, drafter_dir in drafters.items():
+            params = drafter_dir / PARAMS
+            if not params.is_file():
+                continue
+            manifest["drafters"].append({"name": name, "sha256": sha256(params), "bytes": params.stat().st_size,
+                                         "parts": split_file(params, out, OUT_FILE_LIMIT, f"{name}.{PARAMS}")})
+            for path in sorted(drafter_dir.glob("*")):
+                if path.is_file() and path.name != PARAMS:
+                    tar.add(path, arcname=f"drafter/{name}/{path.name}")
         for path in extra:
             if path.is_file():
                 tar.add(path, arcname=f"device/{path.name}")
@@ -341,16 +386,70 @@ def write_results(drafter_dir: Path, extra: list[Path], out: Path, manifest: dic
     return manifest
 
 
+INDEX = Path("/opt/pypi/simple")  # a TPU machine's own package index (no network there)
+NEEDED = ("flax", "optax", "orbax-checkpoint", "datasets", "tokenizers", "tqdm", "gguf", "platformdirs",
+          "safetensors")  # what `specdec data` / `specdec train` import beyond jax, numpy, yaml and jinja2
+IMPORTS = "import flax, optax, orbax.checkpoint, datasets, tokenizers, tqdm, gguf, platformdirs, safetensors, yaml"
+
+
+def install_packages(wheels: list[Path], site: Path, env: dict) -> str:
+    """Make NEEDED importable: the carried wheels, else the machine's own index, into `site`, which goes last on
+    PYTHONPATH so the machine's JAX stays the one imported. Returns what was done."""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", ""), str(site)]))
+    if subprocess.run([sys.executable, "-c", IMPORTS], env=env, capture_output=True).returncode == 0:
+        return "already importable"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--isolated", "--no-compile", "--no-cache-dir",
+           "--upgrade", "--target", str(site)]
+    if wheels:
+        cmd, how = pip + ["--no-index", "--no-deps", *map(str, wheels)], "carried wheels"
+    elif INDEX.is_dir():  # pin what the machine has, so the index brings no other JAX or numpy beside it
+        have = subprocess.run([sys.executable, "-c", "import jax, jaxlib, numpy; print(jax.__version__, "
+                               "jaxlib.__version__, numpy.__version__)"], env=env, capture_output=True, text=True)
+        pins = [f"{n}=={v}" for n, v in zip(("jax", "jaxlib", "numpy"), have.stdout.split())]
+        cmd = pip + ["--only-binary=:all:", "--index-url", INDEX.as_uri(), *NEEDED, *pins]
+        how = f"the machine's index ({', '.join(pins)})"
+    else:
+        raise DeviceTrainError(f"cannot import what specdec needs here, and neither wheels were carried nor is "
+                               f"there a package index at {INDEX}")
+    done = subprocess.run(cmd, env={**env, "PIP_CONFIG_FILE": os.devnull}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise DeviceTrainError(f"installing {', '.join(NEEDED)} from {how} failed:\n{done.stderr[-2000:]}")
+    check = subprocess.run([sys.executable, "-c", IMPORTS], env=env, capture_output=True, text=True)
+    if check.returncode != 0:
+        raise DeviceTrainError(f"installed from {how}, yet the imports fail:\n{check.stderr[-2000:]}")
+    return f"installed from {how}"
+
+
+def _job_paths(job: dict, sets: list[str], env: dict, workdir: Path) -> dict:
+    """Where a job writes (relative paths are relative to `workdir`, where the jobs run): its data directory,
+    and for a train job its run directory (output.name, or the config's stem as `specdec train` names it)."""
+    data_dir, output_dir, output_name = _settings(str(REPO / job["config"]), job["set"] + sets, env,
+                                                  "train.data_dir", "output.dir", "output.name")
+    name = output_name if output_name != "None" else Path(job["config"]).stem
+    return {"data_dir": Path(workdir, data_dir), "run_dir": Path(workdir, output_dir, name), "name": name}
+
+
+def _finished(job: dict, paths: dict, ran_before: bool = False) -> bool:
+    """Not to run again: a train job whose run already ended complete, or a data job an earlier call ran (data is
+    made once, so that every training run of a study sees the same examples, however far it got)."""
+    if job["run"] == "data":
+        return ran_before
+    summary = paths["run_dir"] / "summary.json"
+    return summary.is_file() and json.loads(summary.read_text()).get("status") == "complete"
+
+
 def device(args) -> int:
-    """Stage the carried parts; when all are there, do the work and leave the results in --out."""
+    """Stage the carried parts; when all are there, run the plan's jobs and leave the results in --out. A call
+    that runs out of time leaves the jobs it did not reach for the next call with the same command (data and
+    training resume; finished training runs are skipped)."""
     t0 = time.monotonic()
     carried, stage = Path(args.carried), Path(args.stage)
     plan, missing = stage_parts(carried, stage)
     if missing:
         have = len(plan["parts"]) - len(missing)
         print(f"[device_train] staged {have} of {len(plan['parts'])} model parts in {stage}; still to carry: "
-              f"{', '.join(missing)} (make the next call within 30 s, or the machine goes back and with it the "
-              "staged parts)")
+              f"{', '.join(missing)} (make the next call while the machine is warm, or it goes back and with it "
+              "the staged parts)")
         return 0
     common = carried / "common"
     if not (common / PLAN).is_file():
@@ -359,32 +458,31 @@ def device(args) -> int:
     out = Path(args.out or stage / "out")
     out.mkdir(parents=True, exist_ok=True)
     log_path = stage / "device_log.txt"
-    log_file = open(log_path, "w")
+    log_file = open(log_path, "a")
 
     def log(line: str) -> None:
         print(line, flush=True)
         log_file.write(line + "\n")
         log_file.flush()
 
+    study = plan.get("study") or load_study(plan["config"])
     manifest = {"plan": {k: v for k, v in plan.items() if k != "config_text"}, "reached": "staged",
-                "budget_seconds": args.budget, "data_seconds": args.data_seconds, "train_seconds": args.train_seconds}
+                "budget_seconds": args.budget, "jobs": []}
     deadline = t0 + args.budget
     env = {**os.environ, "SPECDEC_CACHE": str(stage / "cache"), "SPECDEC_DATA": str((common / "data").resolve()),
            "PYTHONUNBUFFERED": "1"}
-    site = stage / "site"
-    wheels = sorted((common / "wheels").glob("*.whl"))
-    config = plan["config"]
-    run_dir = drafter = None
+    sets = list(args.set or [])
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = stage / "results"
+    results.mkdir(exist_ok=True)
+    brought: dict[str, Path] = {}
     try:
-        if wheels:
-            done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                                   "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(site),
-                                   *map(str, wheels)], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise DeviceTrainError(f"installing the carried wheels failed:\n{done.stderr[-2000:]}")
-        paths = ([str(site)] if wheels else []) + [str(REPO), env.get("PYTHONPATH", "")]
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-        gguf = assemble_model(plan, stage, stage / "cache")
+        manifest["packages"] = install_packages(sorted((common / "wheels").glob("*.whl")), stage / "site", env)
+        log(f"[device_train] packages: {manifest['packages']} ({time.monotonic() - t0:.0f} s)")
+        gguf = stage / "cache" / "models" / plan["model"] / plan["gguf"]
+        if not (gguf.is_file() and sha256(gguf) == plan["gguf_sha256"]):
+            gguf = assemble_model(plan, stage, stage / "cache")
         manifest["reached"] = "model assembled"
         log(f"[device_train] {gguf} assembled and checked ({time.monotonic() - t0:.0f} s)")
         probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.__version__, jax.devices())"],
@@ -393,41 +491,71 @@ def device(args) -> int:
         log(f"[device_train] jax: {manifest['jax']}")
 
         cli = [sys.executable, "-m", "experiments.cli"]
-        sets = list(args.set or [])
-        data_dir, output_dir, output_name = _settings(config, sets, env, "train.data_dir", "output.dir",
-                                                      "output.name")
-        t_data = time.monotonic()
-        data_env = {**env, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}  # the target's own answers, as on the CPU
-        rc = Job([*cli, "data", config, f"data.max_seconds={args.data_seconds}", *sets, "--no-progress"], data_env,
-                 log, min(deadline - args.train_seconds - 60, t_data + args.data_seconds + 240)).run()
-        manifest["data_wall_seconds"] = round(time.monotonic() - t_data, 1)
-        summary = Path(data_dir) / "summary.json"
-        if summary.is_file():
-            manifest["data"] = json.loads(summary.read_text())
-        if rc != 0 and not list(Path(data_dir).glob("shards/shard_?????")):
-            raise DeviceTrainError(f"`specdec data` failed (exit {rc}) before writing any shard")
-        manifest["reached"] = "data"
+        defaults = {"data": args.data_seconds, "train": args.train_seconds}
+        ran_file = stage / "jobs_ran.json"  # jobs an earlier call started
+        ran = set(json.loads(ran_file.read_text())) if ran_file.is_file() else set()
+        for i, job in enumerate(study["jobs"]):
+            paths = _job_paths(job, sets, env, workdir)
+            record = {"job": i, "run": job["run"], "config": job["config"], "name": paths["name"]}
+            manifest["jobs"].append(record)
+            if _finished(job, paths, i in ran):
+                record["status"] = "done in an earlier call"
+                continue
+            left = deadline - time.monotonic() - 60  # for the snapshots and the files
+            seconds = min(job["seconds"] or defaults[job["run"]], left - 60)  # 60: start-up, compile, last eval
+            if seconds < 20:
+                record["status"] = "not reached: the call's time ran out (the same call again goes on)"
+                log(f"[device_train] job {i} ({job['run']} {paths['name']}): {record['status']}")
+                continue
+            ran.add(i)
+            ran_file.write_text(json.dumps(sorted(ran)))
+            job_env = {**env, "JAX_DEFAULT_MATMUL_PRECISION": "highest"} if job["run"] == "data" else env
+            t_job = time.monotonic()  # the target's answers at full float32 precision, as on the CPU
+            rc = Job([*cli, job["run"], str(REPO / job["config"]), f"{job['run']}.max_seconds={seconds:.0f}",
+                      *job["set"], *sets, "--no-progress"], job_env, log, min(t_job + seconds + 180, deadline - 45),
+                     cwd=workdir).run()
+            record.update(rc=rc, wall_seconds=round(time.monotonic() - t_job, 1), budget_seconds=round(seconds))
+            summary = (paths["data_dir"] if job["run"] == "data" else paths["run_dir"]) / "summary.json"
+            if summary.is_file():
+                shutil.copyfile(summary, results / f"{paths['name']}.{job['run']}_summary.json")
+                record["status"] = json.loads(summary.read_text()).get("status", "written")
+            else:
+                record["status"] = f"exit {rc}, no summary"
+            if job["run"] == "train" and (paths["run_dir"] / "metrics.jsonl").is_file():
+                shutil.copyfile(paths["run_dir"] / "metrics.jsonl", results / f"{paths['name']}.metrics.jsonl")
+            log(f"[device_train] job {i} ({job['run']} {paths['name']}): {record['status']} in "
+                f"{record['wall_seconds']} s")
+        manifest["reached"] = "jobs"
 
-        t_train = time.monotonic()
-        left = deadline - t_train - 45  # for the snapshot and the files
-        train_seconds = max(min(args.train_seconds, left - 90), 10)  # 90 s: start-up, compile, final eval
-        rc = Job([*cli, "train", config, f"train.max_seconds={train_seconds}", *sets, "--no-progress"], env, log,
-                 t_train + left).run()
-        manifest["train_wall_seconds"] = round(time.monotonic() - t_train, 1)
-        run_dir = Path(output_dir) / output_name
-        if (run_dir / "summary.json").is_file():
-            train_summary = json.loads((run_dir / "summary.json").read_text())
-            manifest["train"] = {k: v for k, v in train_summary.items() if k != "eval_history"}
-        if rc != 0:
-            log(f"[device_train] `specdec train` exited {rc}; snapshotting its newest checkpoint if any")
-        drafter = stage / "drafter"
-        shutil.rmtree(drafter, ignore_errors=True)
-        snap = subprocess.run([sys.executable, "-m", "benchmarks.snapshot_drafter", str(run_dir), str(drafter),
-                               "--float16"], env=env, capture_output=True, text=True, cwd=REPO)
-        log(snap.stdout + snap.stderr)
-        if snap.returncode != 0:
-            raise DeviceTrainError(f"no drafter to bring back: the snapshot of {run_dir} failed")
-        manifest["reached"] = "drafter"
+        train_jobs = {p["name"]: p for p in (_job_paths(j, sets, env, workdir) for j in study["jobs"]
+                                             if j["run"] == "train")}
+        wanted = study["bring_back"] if study["bring_back"] is not None else list(train_jobs)[-1:]
+        done_file = stage / "brought_back.json"  # drafters an earlier call already brought back
+        done = json.loads(done_file.read_text()) if done_file.is_file() else []
+        room = BRING_BACK_BYTES
+        for name in wanted:
+            if name not in train_jobs:
+                raise DeviceTrainError(f"bring_back names {name!r}, which no train job writes "
+                                       f"({', '.join(train_jobs)})")
+            if name in done or not _finished({"run": "train"}, train_jobs[name]):
+                continue
+            dest = stage / "drafters" / name
+            shutil.rmtree(dest, ignore_errors=True)
+            snap = subprocess.run([sys.executable, "-m", "benchmarks.snapshot_drafter",
+                                   str(train_jobs[name]["run_dir"]), str(dest), "--float16"], env=env,
+                                  capture_output=True, text=True, cwd=REPO)
+            log(snap.stdout + snap.stderr)
+            if snap.returncode != 0:
+                continue
+            size = (dest / PARAMS).stat().st_size
+            if size > room:
+                log(f"[device_train] {name} ({size / 2**20:.1f} MiB) does not fit this call's files: the next "
+                    "call with the same command brings it")
+                break
+            room -= size
+            brought[name] = dest
+        done_file.write_text(json.dumps(done + list(brought)))
+        manifest["reached"] = "drafters" if brought else manifest["reached"]
         return 0
     except DeviceTrainError as e:
         log(f"[device_train] ERROR: {e}")
@@ -437,14 +565,7 @@ def device(args) -> int:
         manifest["wall_seconds"] = round(time.monotonic() - t0, 1)
         log(f"[device_train] reached: {manifest['reached']} in {manifest['wall_seconds']} s")
         log_file.close()
-        extra = [log_path]
-        if run_dir is not None:
-            extra += [run_dir / "metrics.jsonl", run_dir / "summary.json"]
-        data_summary = stage / "data_summary.json"
-        if "data" in manifest:
-            data_summary.write_text(json.dumps(manifest["data"], indent=2))
-            extra.append(data_summary)
-        write_results(drafter if drafter is not None else stage / "no_drafter", extra, out, manifest)
+        write_results(brought, [log_path, *sorted(results.glob("*"))], out, manifest)
         print(f"[device_train] results in {out}: {sorted(p.name for p in out.iterdir())}", flush=True)
 
 
@@ -466,25 +587,30 @@ def _settings(config: str, sets: list[str], env: dict, *keys: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 
 def unpack(files: Path, dest: Path) -> dict:
-    """The drafter directory (drafter.json, params.npz, config.yaml, summary.json) from the files a last call
-    brought back, and dest/device/ (its log, data summary, metrics). Returns the device manifest."""
+    """dest/<drafter>/ (drafter.json, params.npz, config.yaml, summary.json) for each drafter the last call
+    brought back, and dest/device/ (its log, the runs' summaries and metrics). Returns the device manifest."""
     manifest_path = Path(files) / MANIFEST
     if not manifest_path.is_file():
         raise DeviceTrainError(f"{files} holds no {MANIFEST}: give the folder the last call's files landed in")
     manifest = json.loads(manifest_path.read_text())
+    names = {d["name"] for d in manifest.get("drafters", [])}
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(Path(files) / BUNDLE, "r:gz") as tar:
         for member in tar.getmembers():
-            top, _, name = member.name.partition("/")
-            if not member.isfile() or top not in ("drafter", "device") or "/" in name or name.startswith("."):
+            parts = member.name.split("/")
+            ok = member.isfile() and not any(p.startswith(".") or not p for p in parts) and (
+                (parts[0] == "drafter" and len(parts) == 3 and parts[1] in names)
+                or (parts[0] == "device" and len(parts) == 2))
+            if not ok:
                 raise DeviceTrainError(f"unexpected member {member.name!r} in {BUNDLE}")
-            target = dest / name if top == "drafter" else dest / "device" / name
+            target = dest / parts[1] / parts[2] if parts[0] == "drafter" else dest / "device" / parts[1]
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(tar.extractfile(member).read())
-    if "params" not in manifest:
+    if not names and not manifest.get("jobs"):
         raise DeviceTrainError(f"the device run brought back no drafter (reached: {manifest.get('reached')}; "
                                f"error: {manifest.get('error')}); its log is in {dest / 'device'}")
-    join_parts(manifest["params"]["parts"], Path(files), dest / PARAMS, manifest["params"]["sha256"])
+    for d in manifest.get("drafters", []):
+        join_parts(d["parts"], Path(files), dest / d["name"] / PARAMS, d["sha256"])
     return manifest
 
 
@@ -498,15 +624,16 @@ DRY_RUN_SETS = ["data.datasets.0.limit=16", "generation.batch_size=8", "generati
                 "train.length_buckets=[]"]
 
 
-def dry_run(config: str, work: Path, room: int | None) -> dict:
+def dry_run(config: str, work: Path, room: int | None, more_sets: tuple[str, ...] = ()) -> dict:
     """pack -> each call in a folder holding only what it carries -> unpack, at tiny sizes, on this CPU."""
     work = Path(work)
     shutil.rmtree(work / "calls", ignore_errors=True)
     shutil.rmtree(work / "stage", ignore_errors=True)
     plan = pack(config, work / PACK_DIR, room=room, wheels=False)
-    sets = " ".join(f"--set {shlex.quote(s)}" for s in DRY_RUN_SETS + [f"train.data_dir={work / 'data'}",
-                                                          f"output.dir={work / 'runs'}"])
-    todo = calls(plan, extra=f"--stage {work / 'stage'} --budget 400 --data-seconds 30 --train-seconds 20 {sets}")
+    shutil.rmtree(work / "jobs", ignore_errors=True)
+    sets = " ".join(f"--set {shlex.quote(s)}" for s in DRY_RUN_SETS + list(more_sets))
+    todo = calls(plan, extra=f"--stage {work / 'stage'} --workdir {work / 'jobs'} --budget 900 --data-seconds 30 "
+                             f"--train-seconds 20 {sets}")
     for i, call in enumerate(todo):
         where = work / "calls" / f"call{i}" / PACK_DIR
         for carried in call["carry"]:
@@ -522,12 +649,14 @@ def dry_run(config: str, work: Path, room: int | None) -> dict:
     files = sorted(out.iterdir())
     if len(files) > 8 or any(f.stat().st_size > 16 * 2**20 for f in files):
         raise DeviceTrainError(f"the files back break the limits (<= 8 files of <= 16 MiB): {files}")
-    manifest = unpack(out, work / "drafter")
+    manifest = unpack(out, work / "drafters")
     from specdec.train import checkpoint as ckpt
 
-    info = ckpt.load_drafter(work / "drafter")
-    print(f"dry run: {len(todo)} calls; {len(files)} files back; drafter {info['drafter']} step {info['step']} "
-          f"loads from {work / 'drafter'}")
+    for d in manifest["drafters"]:
+        info = ckpt.load_drafter(work / "drafters" / d["name"])
+        print(f"dry run: drafter {info['drafter']} step {info['step']} loads from {work / 'drafters' / d['name']}")
+    print(f"dry run: {len(todo)} calls; {len(files)} files back; jobs: "
+          f"{[(j['name'], j.get('status')) for j in manifest['jobs']]}")
     return manifest
 
 
@@ -543,6 +672,8 @@ def main(argv=None) -> int:
     d.add_argument("--out", default=None, help="where the files to bring back go ($OUT there)")
     d.add_argument("--carried", default=PACK_DIR, help="the folder holding the carried pack folders")
     d.add_argument("--stage", default="/tmp/specdec_device", help="staged parts, model cache, wheels, the drafter")
+    d.add_argument("--workdir", default=str(REPO), help="where the jobs run: their relative output paths (runs/...) "
+                   "land under it")
     d.add_argument("--budget", type=float, default=540, help="seconds for the whole call (timeout_s is 580)")
     d.add_argument("--data-seconds", type=float, default=150, help="data.max_seconds (answers only)")
     d.add_argument("--train-seconds", type=float, default=180, help="train.max_seconds (less if time ran short)")
@@ -553,6 +684,7 @@ def main(argv=None) -> int:
     r = sub.add_parser("dry-run", help="here: pack, every call and unpack on this CPU, tiny sizes")
     r.add_argument("--config", default=DEFAULT_CONFIG)
     r.add_argument("--work", type=Path, default=Path("runs/device_dry_run"))
+    r.add_argument("--set", action="append", metavar="KEY=VALUE", help="more config overrides for every job")
     r.add_argument("--room-mib", type=float, default=30.0,
                    help="MiB a call carries beside the tree (30: as on the device today)")
     args = ap.parse_args(argv)
@@ -570,11 +702,12 @@ def main(argv=None) -> int:
             return device(args)
         elif args.cmd == "unpack":
             manifest = unpack(args.files, args.dest)
-            train = manifest.get("train", {})
-            print(f"wrote {args.dest}: step {train.get('steps')} ({train.get('status')}), final eval "
-                  f"{(train.get('final_eval') or {}).get('expected_tau')}; device log in {args.dest / 'device'}")
+            for job in manifest["jobs"]:
+                print(f"  job {job['job']}: {job['run']} {job['name']}: {job.get('status')}")
+            print(f"wrote {args.dest}: drafters {[d['name'] for d in manifest['drafters']]}; the runs' summaries, "
+                  f"metrics and the device log in {args.dest / 'device'}")
         else:
-            dry_run(args.config, args.work, int(args.room_mib * 2**20))
+            dry_run(args.config, args.work, int(args.room_mib * 2**20), tuple(args.set or ()))
     except DeviceTrainError as e:
         raise SystemExit(f"error: {e}") from None
     return 0

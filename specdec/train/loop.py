@@ -45,7 +45,7 @@ import optax
 from specdec import sharding
 from specdec.tracking import Tracker
 from specdec.train import checkpoint as ckpt_lib
-from specdec.train.data import DistillData
+from specdec.train.data import DataError, DistillData, load_distill_data
 from specdec.train.features import (FeatureCache, build_feature_cache, cached_features, data_fingerprint,
                                     find_feature_cache, online_features, open_feature_cache,
                                     stored_taps)
@@ -225,10 +225,29 @@ class Examples:
     def split(cls, data: DistillData, cfg, pad_id: int) -> "Examples":
         arrays = data.padded(cfg.seq_len, pad_id)
         train_idx, eval_idx = data.split_indices(cfg.eval_examples)
+        if cfg.limit_examples is not None:
+            if cfg.limit_examples > len(train_idx):
+                raise DataError(f"train.limit_examples={cfg.limit_examples} is more than the "
+                                f"{len(train_idx)} training examples the data holds")
+            train_idx = train_idx[:cfg.limit_examples]
         lengths = arrays["lengths"] if cfg.length_buckets else None
-        if lengths is not None:  # held-out batches of similar lengths too
-            eval_idx = eval_idx[np.argsort(lengths[eval_idx], kind="stable")]
-        return cls(arrays, train_idx, eval_idx, lengths)
+        return cls(arrays, train_idx, by_length(eval_idx, lengths), lengths)
+
+
+def by_length(idx: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
+    """Evaluation rows in batches of similar lengths (when batches are length-grouped); the eval sums do not
+    depend on the order."""
+    return idx if lengths is None else idx[np.argsort(lengths[idx], kind="stable")]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """Examples evaluated beside the held-out ones (`train.eval_data`, `train.eval_train_examples`)."""
+
+    name: str
+    batches: "Batches"
+    idx: np.ndarray
+    spec: "StepSpec"  # online features for a set outside the feature cache
 
 
 class Batches:
@@ -403,23 +422,36 @@ class Run:
     log: Callable[[str], None]
     history: list = dataclasses.field(default_factory=list)  # every evaluation, for the summary
 
-    def evaluate(self, state: TrainState, step: int) -> dict | None:
-        """The held-out loss, expected / greedy tau and acceptance by draft step (None without held-out data)."""
-        if len(self.examples.eval_idx) == 0:
-            return None
+    eval_sets: tuple[EvalSet, ...] = ()
+
+    def _evaluate(self, params, spec: StepSpec, batches: "Batches", idx: np.ndarray) -> dict:
         sums: dict[str, Any] = {}
         n_batches = 0
-        for batch in self.batches.heldout(self.examples.eval_idx, self.cfg.batch_size):
-            out = jax.device_get(eval_step(self.spec, state.params, self.consts, self.target.params, batch))
+        for batch in batches.heldout(idx, self.cfg.batch_size):
+            out = jax.device_get(eval_step(spec, params, self.consts, self.target.params, batch))
             n_batches += 1
             for k, v in out.items():
                 sums[k] = sums.get(k, 0) + np.asarray(v, np.float64)
         slots = max(float(sums["slots"]), 1.0)
-        result = {"loss": float(sums["loss"]) / n_batches, "expected_tau": float(sums["tau"]) / slots,
-                  "greedy_tau": float(sums["greedy_tau"]) / slots,
-                  "acceptance_by_step": [round(float(a) / slots, 4) for a in sums["alpha"]],
-                  "slots": int(sums["slots"]), "draft_len": self.spec.eval_steps}
-        self.metrics.emit("eval", step, result)
+        return {"loss": float(sums["loss"]) / n_batches, "expected_tau": float(sums["tau"]) / slots,
+                "greedy_tau": float(sums["greedy_tau"]) / slots,
+                "acceptance_by_step": [round(float(a) / slots, 4) for a in sums["alpha"]],
+                "slots": int(sums["slots"]), "draft_len": spec.eval_steps}
+
+    def evaluate(self, state: TrainState, step: int) -> dict | None:
+        """The held-out loss, expected / greedy tau and acceptance by draft step (None without held-out data),
+        and the same for each further evaluation set under "sets" (also logged as eval/<set>)."""
+        if len(self.examples.eval_idx) == 0 and not self.eval_sets:
+            return None
+        result = {}
+        if len(self.examples.eval_idx):
+            result = self._evaluate(state.params, self.spec, self.batches, self.examples.eval_idx)
+            self.metrics.emit("eval", step, result)
+        if self.eval_sets:
+            result["sets"] = {}
+            for s in self.eval_sets:
+                result["sets"][s.name] = self._evaluate(state.params, s.spec, s.batches, s.idx)
+                self.metrics.emit(f"eval/{s.name}", step, result["sets"][s.name])
         self.history.append({"step": step, **result})
         return result
 
@@ -441,6 +473,33 @@ class Run:
             return state
         self.log(f"calibrated {self.task.name} on {len(self.examples.eval_idx)} held-out examples")
         return dataclasses.replace(state, buffers={**state.buffers, **fitted})  # the other buffers (d2t) stay
+
+
+def eval_sets(cfg, spec: StepSpec, examples: Examples, batches: Batches, mesh, target,
+              manifest: dict) -> tuple[EvalSet, ...]:
+    """`train.eval_train_examples` (the first training examples, as the run's own batches) and each
+    `train.eval_data` directory (all its examples, online features), checked to come from the run's target."""
+    out = []
+    if cfg.eval_train_examples:
+        idx = examples.train_idx[:cfg.eval_train_examples]
+        out.append(EvalSet("train", batches, by_length(idx, examples.lengths), spec))
+    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
+    for path in cfg.eval_data:
+        data = load_distill_data(path)
+        for key in ("target", "vocab_size"):
+            if data.manifest.get(key) != manifest.get(key):
+                raise DataError(f"train.eval_data: {path} comes from another target than the training data (its "
+                                f"{key} is {data.manifest.get(key)!r}, not {manifest.get(key)!r})")
+        arrays = data.padded(cfg.seq_len, pad)
+        lengths = arrays["lengths"] if cfg.length_buckets else None
+        set_batches = Batches(arrays, batches.buckets, None, mesh)
+        out.append(EvalSet(Path(path).name, set_batches, by_length(np.arange(len(data)), lengths),
+                           dataclasses.replace(spec, stored=None)))
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise DataError(f"train.eval_data: two evaluation sets share a name ({', '.join(names)}); their "
+                        "directories' names must differ")
+    return tuple(out)
 
 
 @dataclasses.dataclass
@@ -557,7 +616,8 @@ def train(task: TrainTask, target, data: DistillData, cfg, run_dir: str | Path, 
     # copies: the state (which holds the buffers too) is donated to the step, consts are not
     consts = {**task.frozen(target), **jax.tree.map(jnp.array, state.buffers)}
     run = Run(task, target, cfg, spec, consts, examples, batches, order, store,
-              MetricsLog(run_path / "metrics.jsonl", tracker), log)
+              MetricsLog(run_path / "metrics.jsonl", tracker), log,
+              eval_sets=eval_sets(cfg, spec, examples, batches, mesh, target, data.manifest))
 
     step = int(state.step)
     log(f"training {task.name}: {tree_size(state.params):,} trainable parameters, {len(examples.train_idx)} train "
