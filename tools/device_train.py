@@ -1,31 +1,32 @@
-"""Generate distillation data and train a drafter on a lent accelerator, then bring the drafter back.
+"""Run distillation data and training jobs on a lent accelerator, then bring the results back.
 
-Some sessions are lent one H100 / H200 (the `device` tool: 15 minutes of device time, at most 10 per command,
-jax 0.11 and no network there). In one 10-minute call it can answer ~10-100x more prompts than this 2-core CPU
-does in a session and train on them. What stands in the way, and how this script gets round it:
+Some sessions are lent a machine with an accelerator (the `device` tool: a TPU v5e chip or a GPU, ~30 minutes
+of device time, at most 10 per command, no network there). What stands in the way, and how this script gets
+round it:
 
-- the machine is bare: it lacks `datasets` (with dill, multiprocess), `gguf` and `platformdirs`, so their
-  wheels travel with the call (the versions installed here) and are installed into /tmp;
-- a call carries at most 64 MiB, the working tree (~33 MiB, the shipped drafter included) counted in, and the
+- the machine is bare: the packages specdec needs come from its own package index (a TPU machine's, pinned to
+  the JAX it has), or travel as wheels (`pack` without --no-wheels: the versions installed here), into a folder
+  that goes last on PYTHONPATH;
+- a call carries at most 64 MiB, the working tree (~32 MiB, the shipped drafter included) counted in, and the
   target's GGUF is 94 MiB: the GGUF travels xz-compressed in parts, one per call, over back-to-back calls (the
-  machine stays warm 30 s after each); every call runs the same command, which stages the parts it carries in
+  machine stays warm ~100 s after each); every call runs the same command, which stages the parts it carries in
   /tmp and, once all are there, does the work;
-- at most 8 files of <= 16 MiB come back: the float16 drafter (~29 MiB) comes back split, with its manifest.
+- at most 8 files of <= 16 MiB come back: each drafter comes back in float16 parts, as many as fit a call.
 
-Three steps:
+The work is a study file's jobs (`load_study`: `specdec data` / `specdec train` of configs with overrides, each
+with its time budget) or, for a plain config, its data and its training. A call that runs out of time leaves
+the jobs it did not reach to the next call with the same command.
 
-    python -m tools.device_train pack                 # 1. here: .device/ and the calls, printed
-    #   2. the printed `device run` calls, back to back; the last prints where its files landed (files_at)
-    python -m tools.device_train unpack FILES_AT runs/snapshots/device_sNN     # 3. here: the drafter
-    python -m tools.device_train dry-run              # steps 1-3 on this CPU at tiny sizes
+    python -m tools.device_train pack --config CONFIG_OR_STUDY [--no-wheels]   # 1. here: .device/, the calls
+    #   2. the printed `device run` calls, back to back (then more with .device/common alone, to go on)
+    python -m tools.device_train unpack FILES_AT runs/snapshots/<name>      # 3. here: drafters and results
+    python -m tools.device_train dry-run --config CONFIG_OR_STUDY           # steps 1-3 on this CPU, tiny sizes
 
-The work in the last call (`device`): assemble and check the GGUF, `specdec data` with `data.max_seconds`, then
-`specdec train` with `train.max_seconds` (the run ends evaluated and calibrated at its budget), a float16
-snapshot, and the files for $OUT. The data answers are computed at full float32 precision
-(JAX_DEFAULT_MATMUL_PRECISION=highest: they are the target's answers, as on the CPU); training uses the GPU's
-default matmul precision. Whatever fails, the log and a device.json saying how far it got come back.
+Data jobs compute the target's answers at full float32 precision (JAX_DEFAULT_MATMUL_PRECISION=highest: they
+are the target's answers, as on the CPU); training uses the accelerator's default matmul precision. Whatever
+fails, the log and a device.json saying how far it got come back.
 
-This module imports only the standard library at the top: on the device it runs before the wheels are in.
+This module imports only the standard library at the top: on the device it runs before the packages are in.
 """
 
 from __future__ import annotations
@@ -432,8 +433,8 @@ def _job_paths(job: dict, sets: list[str], env: dict, workdir: Path) -> dict:
 def _finished(job: dict, paths: dict, ran_before: bool = False) -> bool:
     """Not to run again: a train job whose run already ended complete, or a data job an earlier call ran (data is
     made once, so that every training run of a study sees the same examples, however far it got)."""
-    if job["run"] == "data":
-        return ran_before
+    if job["run"] == "data":  # ... and wrote its summary (a job that failed outright runs again)
+        return ran_before and (paths["data_dir"] / "summary.json").is_file()
     summary = paths["run_dir"] / "summary.json"
     return summary.is_file() and json.loads(summary.read_text()).get("status") == "complete"
 

@@ -319,6 +319,7 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
     written to `<out>/summary.json`.
     """
     import datasets
+    import pyarrow as pa
 
     t0 = time.perf_counter()
     out = Path(out_dir)
@@ -390,7 +391,12 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
         bars = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()  # one bar (ours) is enough
         try:
-            datasets.Dataset.from_dict(records, features=features).save_to_disk(str(tmp))
+            # Built from an Arrow table with a fingerprint of our own: `Dataset.from_dict` hashes the features
+            # with dill to make one, which fails with some datasets / pyarrow pairs (a TPU image's index).
+            table = datasets.table.InMemoryTable(pa.Table.from_pydict(records, schema=features.arrow_schema))
+            fingerprint = hashlib.sha256("\n".join(records["id"]).encode()).hexdigest()[:16]
+            datasets.Dataset(table, info=datasets.DatasetInfo(features=features),
+                             fingerprint=fingerprint).save_to_disk(str(tmp))
         finally:
             if bars:
                 datasets.enable_progress_bars()
