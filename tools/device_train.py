@@ -503,8 +503,11 @@ def device(args) -> int:
                 record["status"] = "done in an earlier call"
                 continue
             left = deadline - time.monotonic() - 60  # for the snapshots and the files
-            seconds = min(job["seconds"] or defaults[job["run"]], left - 60)  # 60: start-up, compile, last eval
-            if seconds < 20:
+            wanted = job["seconds"] or defaults[job["run"]]
+            seconds = min(wanted, left - 60)  # 60: start-up, compile, last eval
+            # a train job cut to less than half its budget would spend its start-up and compilation for little:
+            # it waits for the next call
+            if seconds < 20 or (job["run"] == "train" and seconds < wanted / 2):
                 record["status"] = "not reached: the call's time ran out (the same call again goes on)"
                 log(f"[device_train] job {i} ({job['run']} {paths['name']}): {record['status']}")
                 continue
