@@ -1,8 +1,8 @@
 """Compare drafters against the AR baseline on the same prompts in the same process.
 
-Used by the quickstart and `specdec generate`; every number in its table comes from one run: AR and each
-drafter decode the same token-id prompts, compile time excluded by a warm-up, and greedy outputs are
-checked token for token against AR.
+Used by the quickstart; every number in its table comes from one run: AR and each drafter decode the same
+token-id prompts, compile time excluded by a warm-up (once per compiled shape), and greedy outputs are checked
+token for token against AR.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Sequence
 
 from drafters import create_drafter
 from specdec.engine import speculative_generate
-from specdec.generate import ar_metrics, generate
+from specdec.generate import ar_metrics, cache_capacity, generate, pad_prompts
 from specdec.metrics import DecodeMetrics, merge, speedup
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.target import Target
@@ -51,10 +51,24 @@ class Row:
     per_batch: list[DecodeMetrics] = dataclasses.field(default_factory=list)  # one per batch of prompts
 
 
+def first_of_shape(batches, max_new_tokens: int, extra: int = 0) -> list[bool]:
+    """Per batch of token-id prompts, whether it is the first with its compiled shapes (padded prompt width, batch
+    size, cache capacity): only those need a warm-up, since every later batch of the same shapes runs the very
+    programs the first one compiled."""
+    seen, first = set(), []
+    for batch in batches:
+        lengths = [len(p) for p in batch]
+        shape = (pad_prompts(batch, 0)[0].shape, cache_capacity(lengths, max_new_tokens, extra=extra))
+        first.append(shape not in seen)
+        seen.add(shape)
+    return first
+
+
 def run_ar(target: Target, prompts, max_new_tokens, sampling, batch_size=1):
     outputs, metrics = [], []
-    for start in range(0, len(prompts), batch_size):
-        out = generate(target, prompts[start:start + batch_size], max_new_tokens, sampling, warmup=True)
+    batches = [prompts[start:start + batch_size] for start in range(0, len(prompts), batch_size)]
+    for batch, warmup in zip(batches, first_of_shape(batches, max_new_tokens)):
+        out = generate(target, batch, max_new_tokens, sampling, warmup=warmup)
         outputs += out.tokens
         metrics.append(ar_metrics(out))
     return outputs, metrics
@@ -64,10 +78,11 @@ def run_drafter(target: Target, spec: DrafterSpec, prompts, max_new_tokens, samp
                 compiled=None, drafter=None):
     drafter = drafter or create_drafter(spec.name, target, spec.num_draft_tokens, **spec.params)
     outputs, metrics = [], []
-    for start in range(0, len(prompts), batch_size):
-        out = speculative_generate(target, drafter, prompts[start:start + batch_size], policy=spec.policy,
+    batches = [prompts[start:start + batch_size] for start in range(0, len(prompts), batch_size)]
+    for batch, warmup in zip(batches, first_of_shape(batches, max_new_tokens, extra=drafter.num_draft_tokens + 1)):
+        out = speculative_generate(target, drafter, batch, policy=spec.policy,
                                    max_new_tokens=max_new_tokens, sampling=sampling, compiled=compiled,
-                                   warmup=True, verify_buckets=spec.buckets, scheduler=spec.scheduler)
+                                   warmup=warmup, verify_buckets=spec.buckets, scheduler=spec.scheduler)
         outputs += out.tokens
         metrics.append(out.metrics)
     return outputs, metrics

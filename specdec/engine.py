@@ -514,7 +514,20 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
                 sched_state=fresh_state())
 
 
-PROFILE_ROUNDS = 16  # loop iterations per forced width when measuring round costs
+PROFILE_ROUNDS = 16  # loop iterations per forced width when measuring round costs (width 0: always; CATCH_UP)
+# A drafted width whose rounds are slow is timed over fewer of them, down to MIN_PROFILE_ROUNDS, so that each
+# measurement spans about PROFILE_SECONDS: the machine's jitter is milliseconds per run, whatever the round costs,
+# and 16 self-speculation rounds (4 draft steps through 24 layers each) took ~2 s per width and repeat.
+PROFILE_SECONDS = 0.4
+MIN_PROFILE_ROUNDS = 4
+
+
+def profile_rounds(seconds_per_round: float, most: int = PROFILE_ROUNDS) -> int:
+    """Loop iterations (or draft calls, `most` of them at most) that span about PROFILE_SECONDS at
+    `seconds_per_round` each, between MIN_PROFILE_ROUNDS and `most`."""
+    if seconds_per_round <= 0:
+        return most
+    return int(min(most, max(MIN_PROFILE_ROUNDS, np.ceil(PROFILE_SECONDS / seconds_per_round))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,27 +557,35 @@ class LoopProbe:
 
     def run_forced(self, plan: int, refine: int, measured) -> float:
         """Seconds per loop iteration with the plan and refine decisions forced to those indices into the verify
-        widths, every draft node up to the width verified (PROFILE_ROUNDS iterations, after a 2-token run that
-        compiles the loop once per process); the loop's scheduler is a `specdec.costs.ForcedWidths`. `measured`:
-        what the wrapped scheduler's `init_state` takes (any value of the right shapes: its decisions are
-        overridden)."""
+        widths, every draft node up to the width verified: PROFILE_ROUNDS iterations (a drafted width: fewer if its
+        rounds are slow, `profile_rounds`), after a 2-token run that compiles the loop once per process and
+        times one iteration; the loop's scheduler is a `specdec.costs.ForcedWidths`. Width 0 always runs
+        PROFILE_ROUNDS = CATCH_UP plain rounds, so its time holds one catch-up per CATCH_UP of them, as a long run
+        of skips does. `measured`: what the wrapped scheduler's `init_state` takes (any value of the right shapes:
+        its decisions are overridden)."""
         scheduler = self.spec.scheduler
         if not isinstance(scheduler, ForcedWidths):
             raise TypeError("run_forced needs a loop whose scheduler is wrapped in ForcedWidths "
                             "(schedulers with measured_in_loop are)")
         fake = self.random_prompts()
-        for rounds in (2, PROFILE_ROUNDS + 1):
+
+        def run(rounds: int) -> float:
             state = scheduler.init_state(self.batch, self.drafter.num_draft_tokens, self.drafter.evidence_classes,
                                          measured)  # fresh: the loop donates its state
             with self.drafter.profiling():
                 out = _run(self.spec, self.target, self.drafter, fake, self.lengths, self.capacity, rounds, 0,
                            self.compiled, sched_state=forced(state, plan, refine))
-        return out.metrics.decode_seconds / max(max(map(len, out.accept_lengths)), 1)  # per loop iteration
+            return out.metrics.decode_seconds / max(max(map(len, out.accept_lengths)), 1)  # per loop iteration
+
+        first = run(2)
+        drafted = self.spec.verify_widths[plan] > 0
+        return run((profile_rounds(first) if drafted else PROFILE_ROUNDS) + 1)
 
     def draft_seconds(self, calls: int = 4 * PROFILE_ROUNDS, repeats: int = 3) -> float:
-        """Seconds one `propose` of a pure-JAX drafter takes, timed alone in a compiled loop of `calls` drafts from
-        the prefilled random prompts (the committed length moves by one token per call, so nothing is hoisted out
-        of the loop); the median of `repeats` runs. The alternative, a drafted round that verifies nothing minus
+        """Seconds one `propose` of a pure-JAX drafter takes, timed alone in a compiled loop of up to `calls` drafts
+        from the prefilled random prompts (the committed length moves by one token per call, so nothing is hoisted
+        out of the loop; fewer calls for a slow draft, `profile_rounds`, timed by a first run of one call that also
+        compiles the loop); the median of `repeats` runs. The alternative, a drafted round that verifies nothing minus
         a plain one, is the difference of two loop timings whose noise (~1-2 ms here) exceeds prompt lookup's
         whole draft (~1 us): one such profile measured n-gram's draft at 14% of a round, so the adaptive width
         stopped treating it as free (`free_draft`), and the quickstart's rewrite prompt fell from 2.13x to 1.35x
@@ -574,21 +595,23 @@ class LoopProbe:
                       self.lengths, self.capacity, PROFILE_ROUNDS, 0)
 
         @jax.jit
-        def drafts(dparams, dstate, seq, seq_len, done, cache, key):
+        def drafts(n, dparams, dstate, seq, seq_len, done, cache, key):
             def one(i, total):
                 ctx = RoundContext(seq=seq, seq_len=jnp.maximum(seq_len - i % 8, 1), done=done, cache=cache)
                 draft, _ = drafter.propose(dparams, dstate, ctx, spec.sampling, key.at(ctx.seq_len))
                 return total + jnp.sum(draft.tokens) + jnp.sum(draft.valid)
-            return jax.lax.fori_loop(0, calls, one, jnp.int32(0))
+            return jax.lax.fori_loop(0, n, one, jnp.int32(0))
 
         args = (drafter.params, state.drafter_state, state.seq, state.seq_len, state.done, state.cache, state.key)
-        jax.block_until_ready(drafts(*args))  # compile
-        times = []
-        for _ in range(repeats):
+
+        def timed(n: int) -> float:
             t0 = time.perf_counter()
-            jax.block_until_ready(drafts(*args))
-            times.append((time.perf_counter() - t0) / calls)
-        return float(np.median(times))
+            jax.block_until_ready(drafts(jnp.int32(n), *args))
+            return (time.perf_counter() - t0) / n
+
+        timed(1)  # compile
+        calls = profile_rounds(timed(1), most=calls)
+        return float(np.median([timed(calls) for _ in range(repeats)]))
 
 
 def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, tokens, lengths, capacity: int,

@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from specdec.metrics import DecodeMetrics
 
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this, so a few compiled prefill shapes serve all
+# Cache capacities are rounded up to a multiple of this: every compiled decode or speculative loop is specialised
+# to its capacity (a speculative loop takes tens of seconds to compile on a 2-core CPU), so prompts of different
+# lengths share one program per bucket. The adaptive width's measured round costs are cached per bucket too
+# (specdec/costs.py). Slots beyond a row's length cost one masked attention read each: ~0.5% of a SmolLM2-135M step
+# per 64 slots at batch 1.
+CAPACITY_BUCKET = 256
 # The EOS id set used when a model has none (AR and speculative loops alike): no token id is negative, and -1 is
 # the padding of verify results and output buffers, so -2 can never match a token.
 NO_EOS = -2
@@ -64,7 +70,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: int = PRO
     return tokens, lengths
 
 
-def cache_capacity(prompt_lengths: Sequence[int], max_new_tokens: int, extra: int = 0, bucket: int = 64) -> int:
+def cache_capacity(prompt_lengths: Sequence[int], max_new_tokens: int, extra: int = 0,
+                   bucket: int = CAPACITY_BUCKET) -> int:
     """Cache slots needed: the padded prompt width is written in prefill, then new tokens (+ draft slack)."""
     padded = -(-max(prompt_lengths) // PROMPT_BUCKET) * PROMPT_BUCKET
     need = max(padded, max(prompt_lengths) + max_new_tokens + extra + 1)

@@ -814,3 +814,15 @@ def test_adaptive_config_and_bad_inputs():
                              scheduler=AdaptiveWidth(**given_costs(((1.0, 1.0, 1.0), 0.0))))
     assert costs.cost_key(target, create_drafter("ngram", target, 4), "greedy_chain", SAMPLING, 2, 300,
                           (0, 1)).count("|") >= 8
+
+
+def test_a_slow_drafted_width_is_profiled_over_fewer_rounds():
+    """`engine.profile_rounds`: a measurement spans about PROFILE_SECONDS, within [MIN_PROFILE_ROUNDS, most]; a
+    cheap round keeps every round (and a non-positive first timing falls back to all of them)."""
+    from specdec.engine import MIN_PROFILE_ROUNDS, PROFILE_ROUNDS, PROFILE_SECONDS, profile_rounds
+
+    assert profile_rounds(1e-3) == PROFILE_ROUNDS
+    assert profile_rounds(0.0) == PROFILE_ROUNDS
+    assert profile_rounds(PROFILE_SECONDS / 6) == 6
+    assert profile_rounds(10.0) == MIN_PROFILE_ROUNDS
+    assert profile_rounds(1e-6, most=64) == 64 and profile_rounds(PROFILE_SECONDS / 10, most=64) == 10

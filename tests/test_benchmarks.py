@@ -228,3 +228,21 @@ def test_the_readme_has_the_results_table_markers():
     text = README.read_text()
     assert text.count(BEGIN) == 1 and text.count(END) == 1 and text.index(BEGIN) < text.index(END)
     assert "python -m benchmarks.results_table" in text
+
+
+def test_bench_plain_round_prices_a_skipped_draft_against_ar(tiny_configs, tmp_path):
+    """bench_plain_round on the tiny target: per adaptive config, AR's step, the plain round, the catch-up and the
+    profiled width-0 / widest iterations, all positive, with the results in the shared schema; a config whose
+    scheduler cannot skip drafts is refused by name."""
+    from benchmarks import bench_plain_round
+
+    ngram, _ = tiny_configs
+    adaptive = _write(Path(ngram).parent / "ngram_adaptive.yaml", "extends: ngram.yaml\nscheduler: {kind: adaptive}\n")
+    out = tmp_path / "out"
+    rows = bench_plain_round.main([adaptive, "--repeats", "1", "--prompt-len", "8", "--out", str(out)])
+    assert [r["method"] for r in rows] == ["ngram_adaptive"]
+    assert set(rows[0]["seconds"]) == {"ar", "plain", "catch_up", "width0", "widest"}
+    assert all(v > 0 for v in rows[0]["seconds"].values()) and rows[0]["verify_widths"][0] == 0
+    assert "| ngram_adaptive | 1 |" in (out / "results.md").read_text()
+    with pytest.raises(ValueError, match="scheduler.kind is 'fixed'"):
+        bench_plain_round.main([ngram, "--repeats", "1", "--out", str(tmp_path / "x")])

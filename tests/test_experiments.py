@@ -669,3 +669,43 @@ def test_compare_rows_with_and_without_verify_buckets():
                                         "ngram(k=4,max_ngram=2,buckets=auto)"]
     assert all(r.matches_ar for r in rows) and rows[1].outputs == rows[2].outputs
     assert "buckets=auto" in table(rows)
+
+
+def test_compare_warms_up_once_per_compiled_shape(monkeypatch):
+    """`compare` warms up only the first batch of each compiled shape (padded prompt width, batch size, cache
+    capacity): later batches of that shape run programs already compiled. A negative control: a prompt of a new
+    padded width is warmed up again."""
+    from experiments import compare as cmp
+    from specdec.generate import PROMPT_BUCKET
+    from specdec.testing import peaky_target
+
+    short, other_short, long_ = [5, 6, 7, 5], [9, 10, 11], list(range(3, 3 + PROMPT_BUCKET + 2))
+    assert cmp.first_of_shape([[short], [other_short], [long_], [short]], 12) == [True, False, True, False]
+    assert cmp.first_of_shape([[short, long_], [short]], 12) == [True, True]  # batch size is part of the shape
+
+    seen = []
+    real = cmp.speculative_generate
+    monkeypatch.setattr(cmp, "speculative_generate", lambda *a, **k: seen.append(k["warmup"]) or real(*a, **k))
+    rows = cmp.compare(peaky_target(1), [short, other_short, long_], [cmp.DrafterSpec("ngram", 4, {"max_ngram": 2})],
+                       max_new_tokens=12)
+    assert seen == [True, False, True] and all(r.matches_ar for r in rows)
+
+
+def test_cli_keeps_compiled_programs_in_the_specdec_cache(monkeypatch, tmp_path):
+    """The CLI points JAX's persistent compilation cache at $SPECDEC_CACHE/xla, unless JAX already has one (no
+    program is compiled while the test has it set)."""
+    import jax
+
+    from experiments import cli
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        cli._persistent_compilation_cache()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+        jax.config.update("jax_compilation_cache_dir", "/elsewhere")
+        cli._persistent_compilation_cache()
+        assert jax.config.jax_compilation_cache_dir == "/elsewhere"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
