@@ -28,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec import trees
-from specdec.costs import ForcedWidths, forced
+from specdec.costs import PROFILE_ROUNDS, ForcedWidths, forced
 from specdec.drafter import CATCH_UP, Draft, Drafter, PromptInfo, RoundContext, VerifyResult
-from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill_distinct
+from specdec.generate import (NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill_distinct,
+                              row_limits)
 from specdec.metrics import DecodeMetrics
 from specdec.models import transformer
 from specdec.models.transformer import KVCache
@@ -448,12 +449,13 @@ class SpecOutput:
 
 
 def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
-                         policy: str | Policy = "greedy_chain", max_new_tokens: int = 64,
+                         policy: str | Policy = "greedy_chain", max_new_tokens: int | Sequence[int] = 64,
                          sampling: SamplingParams = GREEDY, seed: int = 0, compiled: bool | None = None,
                          max_seq_len: int | None = None, warmup: bool = False, scheduler=None,
                          verify_buckets=None, on_round=None) -> SpecOutput:
     """Speculative decoding of a batch of token-id prompts with any drafter and verification policy: a policy
-    name (with its default options) or a `specdec.verify.Policy` (`get_policy("typical", epsilon=0.05)`).
+    name (with its default options) or a `specdec.verify.Policy` (`get_policy("typical", epsilon=0.05)`), up to
+    `max_new_tokens` new tokens per prompt (one limit, or one per prompt).
 
     `scheduler` (specdec/scheduler.py; default `FixedWidth`: verify every drafted token) decides each round how
     many draft nodes the target verifies: `ThresholdSchedule` / `PrefixSchedule` per row from the drafter's
@@ -484,6 +486,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     if compiled and not drafter.jittable:
         raise ValueError(f"drafter {drafter.name!r} keeps Python state and cannot run in the compiled loop")
     prompts = [list(p) for p in prompts]
+    max_new_tokens, limits = row_limits(max_new_tokens, len(prompts))
     n = drafter.num_draft_tokens
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
     forcing = scheduler.measured_in_loop
@@ -498,23 +501,26 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
 
     probe = LoopProbe(spec, target, tokens, lengths, capacity, compiled)
     measured = scheduler.prepare(probe)
+    del probe  # and its prefilled random prompts (a cache the size of the run's)
 
     def fresh_state():  # a fresh state per run: the compiled loop donates its buffers
         return scheduler.init_state(len(tokens), n, drafter.evidence_classes, measured)
 
-    if warmup:  # the same compiled programs, run for 2 tokens
+    if warmup:  # the same compiled programs, run for 2 tokens from one prefill
         # Where the width can be forced, every verify width once (and a draft that verifies nothing, and the width-0
         # loop or burst): a path first taken in the timed run compiles there (a host-side drafter's burst of plain
         # rounds, compiled mid-run, cost suffix decoding 2.4x on MT-Bench).
         paths = [(k, k) for k in range(len(widths))] + [(len(widths) - 1, 0)] if forcing else [None]
+        ready = prefilled(spec, target, drafter, target.init_cache(len(tokens), capacity), tokens, lengths, capacity,
+                          seed)
         for path in paths:
             state = fresh_state() if path is None else forced(fresh_state(), *path)
-            _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=state)
-    return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round,
+            _decode(spec, target, drafter, ready.state(2, state), lengths, compiled)
+        del ready
+    return _run(spec, target, drafter, tokens, lengths, capacity, limits, seed, compiled, on_round,
                 sched_state=fresh_state())
 
 
-PROFILE_ROUNDS = 16  # loop iterations per forced width when measuring round costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -528,6 +534,8 @@ class LoopProbe:
     lengths: Any
     capacity: int
     compiled: bool
+    # the loop lengths of the forced runs so far (the first one compiles); not part of the probe's identity
+    runs: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def drafter(self) -> Drafter:
@@ -544,22 +552,29 @@ class LoopProbe:
 
     def run_forced(self, plan: int, refine: int, measured) -> float:
         """Seconds per loop iteration with the plan and refine decisions forced to those indices into the verify
-        widths, every draft node up to the width verified (PROFILE_ROUNDS iterations, after a 2-token run that
-        compiles the loop once per process); the loop's scheduler is a `specdec.costs.ForcedWidths`. `measured`:
-        what the wrapped scheduler's `init_state` takes (any value of the right shapes: its decisions are
-        overridden)."""
+        widths, every draft node up to the width verified (PROFILE_ROUNDS iterations, after a 2-token run the first
+        time, which compiles the loop); the loop's scheduler is a `specdec.costs.ForcedWidths`. Every run starts
+        from the probe's one prefill of its random prompts (`prefilled`). `measured`: what the wrapped scheduler's
+        `init_state` takes (any value of the right shapes: its decisions are overridden)."""
         scheduler = self.spec.scheduler
         if not isinstance(scheduler, ForcedWidths):
             raise TypeError("run_forced needs a loop whose scheduler is wrapped in ForcedWidths "
                             "(schedulers with measured_in_loop are)")
-        fake = self.random_prompts()
-        for rounds in (2, PROFILE_ROUNDS + 1):
+        first = not self.runs
+        for rounds in ((2,) if first else ()) + (PROFILE_ROUNDS + 1,):
             state = scheduler.init_state(self.batch, self.drafter.num_draft_tokens, self.drafter.evidence_classes,
                                          measured)  # fresh: the loop donates its state
             with self.drafter.profiling():
-                out = _run(self.spec, self.target, self.drafter, fake, self.lengths, self.capacity, rounds, 0,
-                           self.compiled, sched_state=forced(state, plan, refine))
+                out = _decode(self.spec, self.target, self.drafter,
+                              self.prefilled.state(rounds, forced(state, plan, refine)), self.lengths, self.compiled)
+            self.runs.append(rounds)
         return out.metrics.decode_seconds / max(max(map(len, out.accept_lengths)), 1)  # per loop iteration
+
+    @functools.cached_property
+    def prefilled(self) -> Prefilled:
+        """The random prompts prefilled once, for every forced run and the draft timing."""
+        return prefilled(self.spec, self.target, self.drafter, self.target.init_cache(self.batch, self.capacity),
+                         self.random_prompts(), self.lengths, self.capacity, 0)
 
     def draft_seconds(self, calls: int = 4 * PROFILE_ROUNDS, repeats: int = 3) -> float:
         """Seconds one `propose` of a pure-JAX drafter takes, timed alone in a compiled loop of `calls` drafts from
@@ -570,8 +585,7 @@ class LoopProbe:
         stopped treating it as free (`free_draft`), and the quickstart's rewrite prompt fell from 2.13x to 1.35x
         AR in replay."""
         spec, target, drafter = self.spec, self.target, self.drafter
-        state = start(spec, target, drafter, target.init_cache(self.batch, self.capacity), self.random_prompts(),
-                      self.lengths, self.capacity, PROFILE_ROUNDS, 0)
+        state = self.prefilled.state(PROFILE_ROUNDS)
 
         @jax.jit
         def drafts(dparams, dstate, seq, seq_len, done, cache, key):
@@ -595,13 +609,50 @@ def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, toke
           limit, seed: int, sched_state=None) -> LoopState:
     """Prefill the padded prompts into `cache`, sample each row's first token, initialise the drafter: the
     state the loop starts from."""
+    return prefilled(spec, target, drafter, cache, tokens, lengths, capacity, seed).state(limit, sched_state)
+
+
+@dataclasses.dataclass
+class Prefilled:
+    """A batch whose prompts the target has prefilled, that several loop runs may start from (`state`): the
+    warm-up's paths and the round-cost profile's forced widths. At batch 32 on 2 CPU cores a prefill of 256-token
+    prompts takes ~28 CPU-seconds, a loop iteration ~1: one prefill per run (31 of them in one adaptive call: 24
+    for the profile, 5 for the warm-up) cost ~15 minutes before the first timed token."""
+
+    spec: LoopSpec
+    drafter: Drafter
+    loop: LoopState  # the target's side of the started loop (no drafter or scheduler state)
+    prompt: PromptInfo
+    capacity: int
+
+    def state(self, limit, sched_state=None) -> LoopState:
+        """A fresh loop state (its own buffers: the compiled loop donates them) with each row's `limit` of new
+        tokens, the drafter initialised on the prompts afresh (a host-side drafter's Python state included) and
+        `sched_state`."""
+        state, prompt = jax.tree.map(_copy, (self.loop, self.prompt))
+        batch = state.seq.shape[0]
+        limit = jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (batch,))
+        eos = jnp.asarray(self.spec.eos_ids or (NO_EOS,), jnp.int32)
+        done = jnp.isin(prompt.first_token, eos) | (limit <= 1)  # as `_initial_state` sets it
+        return dataclasses.replace(state, limit=limit, done=done, sched=sched_state,
+                                   drafter_state=self.drafter.init(self.drafter.params, prompt, self.capacity))
+
+
+def _copy(x):
+    return jnp.copy(x) if isinstance(x, jax.Array) else x
+
+
+def prefilled(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, tokens, lengths, capacity: int,
+              seed: int) -> Prefilled:
+    """Prefill the padded prompts into `cache` and sample each row's first token (`Prefilled`)."""
     logits, taps, cache = prefill_distinct(target.params, cache, tokens, lengths, forward=target.forward,
                                            cfg=target.cfg, taps=drafter.taps)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    first, state = _initial_state(spec, tokens, lengths, logits, cache, sample_key(seed, len(tokens)), limit,
+    # the limit is replaced by `Prefilled.state`; any value compiles the same program (it is traced)
+    first, state = _initial_state(spec, tokens, lengths, logits, cache, sample_key(seed, len(tokens)), 2,
                                   capacity=capacity)
     prompt = PromptInfo(tokens=tokens, lengths=lengths, taps=taps, first_token=first)
-    return dataclasses.replace(state, drafter_state=drafter.init(drafter.params, prompt, capacity), sched=sched_state)
+    return Prefilled(spec, drafter, state, prompt, capacity)
 
 
 def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled, on_round=None,
@@ -610,8 +661,13 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
     t0 = time.perf_counter()
     state = start(spec, target, drafter, cache, tokens, lengths, capacity, limit, seed, sched_state)
     jax.block_until_ready(state)
-    t1 = time.perf_counter()
+    return _decode(spec, target, drafter, state, lengths, compiled, on_round, prefill_seconds=time.perf_counter() - t0)
 
+
+def _decode(spec, target, drafter, state: LoopState, lengths, compiled, on_round=None,
+            prefill_seconds: float = 0.0) -> SpecOutput:
+    """Runs the loop from a started `state` to the end; the decode time counts from here."""
+    t1 = time.perf_counter()
     draft_s = verify_s = None
     callback_s = 0.0
     if compiled:
@@ -660,14 +716,16 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
     seq, seq_len, rounds, accepted, proposed, pos_proposed, pos_accepted, pos_eligible, committed = map(to_host, (
         state.seq, state.seq_len, state.rounds, state.accepted, state.proposed, state.position_proposed,
         state.position_accepted, state.position_eligible, state.round_committed))
-    rows = [seq[i, lengths[i]: seq_len[i]].tolist() for i in range(len(tokens))]
+    batch = len(seq)
+    rows = [seq[i, lengths[i]: seq_len[i]].tolist() for i in range(batch)]
     metrics = DecodeMetrics(
         new_tokens=int(np.sum(seq_len - lengths)), rounds=int(np.sum(rounds)),
         accepted_draft_tokens=int(np.sum(accepted)), proposed_draft_tokens=int(np.sum(proposed)),
-        prefill_seconds=t1 - t0, decode_seconds=t2 - t1, draft_seconds=draft_s, verify_seconds=verify_s,
+        prefill_seconds=prefill_seconds, decode_seconds=t2 - t1, draft_seconds=draft_s, verify_seconds=verify_s,
         position_proposed=pos_proposed.tolist(), position_accepted=pos_accepted.tolist(),
-        position_eligible=pos_eligible.tolist(), batch_size=len(tokens))
+        position_eligible=pos_eligible.tolist(), batch_size=batch,
+        row_steps=batch * int(np.max(rounds, initial=0)))  # the row finishing last is active every iteration
     for name, value in spec.scheduler.metrics(spec, state.sched).items():  # e.g. the adaptive width's choices
         setattr(metrics, name, value)
-    accept_lengths = [committed[i, : rounds[i]].tolist() for i in range(len(tokens))]
+    accept_lengths = [committed[i, : rounds[i]].tolist() for i in range(batch)]
     return SpecOutput(tokens=rows, metrics=metrics, accept_lengths=accept_lengths)
