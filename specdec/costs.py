@@ -33,6 +33,15 @@ from specdec.scheduler import Scheduler
 
 COST_FILE = "round_costs.json"
 PROFILE_ROUNDS = 16  # loop iterations per forced width when measuring round costs (`engine.LoopProbe`)
+PROFILE_ROWS = 8 * PROFILE_ROUNDS  # above batch 8, fewer iterations: about this many row-rounds per timing
+
+
+def profile_rounds(batch: int) -> int:
+    """Loop iterations per forced width and pass of the round-cost profile: PROFILE_ROUNDS up to batch 8, then
+    about PROFILE_ROWS row-rounds' worth (at least 4). A round at batch 32 takes ~0.5-1 CPU-second on a 2-core
+    CPU, so 4 of them are a timing whose noise (~1-2 ms) is far below its length, while 16 per width and pass
+    made the profile ~200 rounds: minutes before the first timed token."""
+    return max(4, min(PROFILE_ROUNDS, PROFILE_ROWS // max(batch, 1)))
 
 
 def cache_root() -> Path:
@@ -228,8 +237,8 @@ def round_costs(probe, placeholder, cost_path=None, reprofile: bool = False, log
     def measure():
         widths = len(spec.verify_widths)
         log(f"adaptive width: measuring the round costs of {probe.drafter.name} at batch {probe.batch} on this "
-            f"machine (verify widths {list(spec.verify_widths)}, 3 passes of {PROFILE_ROUNDS} rounds each; cached "
-            f"in {Path(cost_path) if cost_path else default_cost_path()}) ...")
+            f"machine (verify widths {list(spec.verify_widths)}, 3 passes of {profile_rounds(probe.batch)} rounds "
+            f"each; cached in {Path(cost_path) if cost_path else default_cost_path()}) ...")
         t0 = time.perf_counter()
         out = measure_round_costs(lambda plan, refine: probe.run_forced(plan, refine, placeholder), widths,
                                   time_draft=alone)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec import trees
-from specdec.costs import PROFILE_ROUNDS, ForcedWidths, forced
+from specdec.costs import PROFILE_ROUNDS, ForcedWidths, forced, profile_rounds
 from specdec.drafter import CATCH_UP, Draft, Drafter, PromptInfo, RoundContext, VerifyResult
 from specdec.generate import (NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill_distinct,
                               row_limits)
@@ -552,16 +552,16 @@ class LoopProbe:
 
     def run_forced(self, plan: int, refine: int, measured) -> float:
         """Seconds per loop iteration with the plan and refine decisions forced to those indices into the verify
-        widths, every draft node up to the width verified (PROFILE_ROUNDS iterations, after a 2-token run the first
-        time, which compiles the loop); the loop's scheduler is a `specdec.costs.ForcedWidths`. Every run starts
-        from the probe's one prefill of its random prompts (`prefilled`). `measured`: what the wrapped scheduler's
-        `init_state` takes (any value of the right shapes: its decisions are overridden)."""
+        widths, every draft node up to the width verified (`profile_rounds` iterations, after a 2-token run the
+        first time, which compiles the loop); the loop's scheduler is a `specdec.costs.ForcedWidths`. Every run
+        starts from the probe's one prefill of its random prompts (`prefilled`). `measured`: what the wrapped
+        scheduler's `init_state` takes (any value of the right shapes: its decisions are overridden)."""
         scheduler = self.spec.scheduler
         if not isinstance(scheduler, ForcedWidths):
             raise TypeError("run_forced needs a loop whose scheduler is wrapped in ForcedWidths "
                             "(schedulers with measured_in_loop are)")
         first = not self.runs
-        for rounds in ((2,) if first else ()) + (PROFILE_ROUNDS + 1,):
+        for rounds in ((2,) if first else ()) + (profile_rounds(self.batch) + 1,):
             state = scheduler.init_state(self.batch, self.drafter.num_draft_tokens, self.drafter.evidence_classes,
                                          measured)  # fresh: the loop donates its state
             with self.drafter.profiling():

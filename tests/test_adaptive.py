@@ -791,6 +791,12 @@ def test_an_adaptive_call_prefills_its_prompts_three_times(tmp_path, monkeypatch
     assert out.tokens == ar and len(calls) == 2, len(calls)
 
 
+def test_the_profile_times_fewer_rounds_where_a_round_is_long():
+    """Up to batch 8 every forced width runs PROFILE_ROUNDS iterations; above it about as many row-rounds (at least
+    4 iterations), so the profile at batch 32 or 64 costs about what it costs at batch 8."""
+    assert [costs.profile_rounds(b) for b in (1, 4, 8, 16, 32, 64, 256)] == [16, 16, 16, 8, 4, 4, 4]
+
+
 def test_a_pure_jax_drafts_cost_is_timed_alone(tmp_path, monkeypatch):
     """A jittable drafter's draft cost is `draft_seconds` (its propose alone in a compiled loop), not the difference
     of two loop timings, whose noise made prompt lookup's ~1 us draft look like 14% of a round."""
