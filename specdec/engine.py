@@ -69,6 +69,15 @@ class LoopState:
     position_eligible: jax.Array
     round_committed: jax.Array  # int32 [B, C] tokens committed in each of the row's rounds (its accept lengths)
     sched: Any = ()  # the scheduler's state (`Scheduler.init_state`)
+    # int32 []: the loop returns once this many rows are done, so their rows can be refilled (`generate_refilled`);
+    # None: once every row is
+    stop_at: Any = None
+
+
+def running(state: LoopState) -> jax.Array:
+    """Whether the loop goes on: a row is still active and (refilling) fewer than `stop_at` rows are done."""
+    go = ~jnp.all(state.done)
+    return go if state.stop_at is None else go & (jnp.sum(state.done) < state.stop_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +374,7 @@ def plain_rounds(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, cat
     microsecond). The drafter catches up (`catch_up`) once the run ends, and every CATCH_UP rounds within a
     longer one (its buffer of taps is full); `catch_up_after=False` (the host-stepped loop, whose drafter's
     update is Python): not at all, and the run is not cut: the caller catches up once after it."""
-    more = lambda s: ~jnp.all(s.done) & (jnp.asarray(spec.verify_widths)[spec.scheduler.plan(spec, s)] == 0)  # noqa: E731
+    more = lambda s: running(s) & (jnp.asarray(spec.verify_widths)[spec.scheduler.plan(spec, s)] == 0)  # noqa: E731
     if not catch_up_after:
         return jax.lax.while_loop(more, lambda s: plain_round(spec, tparams, s, shapes), state)
 
@@ -405,7 +414,7 @@ def compiled_loop(spec: LoopSpec, tparams, dparams, state: LoopState) -> LoopSta
             state = plain_rounds(spec, tparams, dparams, state, shapes)
         return state
 
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return jax.lax.while_loop(running, body, state)
 
 
 # verify and update donate the state they return (else XLA copies the KV cache into the output); propose does not,
@@ -521,6 +530,135 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
                 sched_state=fresh_state())
 
 
+
+
+def generate_refilled(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, batch_size: int,
+                      refill_rows: int = 1, policy: str | Policy = "greedy_chain",
+                      max_new_tokens: int | Sequence[int] = 64, sampling: SamplingParams = GREEDY, seed: int = 0,
+                      max_seq_len: int | None = None, scheduler=None, verify_buckets=None) -> SpecOutput:
+    """Speculative decoding of more prompts than rows: `batch_size` rows run the compiled loop, which returns to the
+    host once `refill_rows` of them are done (`LoopState.stop_at`); the host then prefills the next prompts into
+    those rows and the loop goes on. A row that finished thus does not idle until the batch's longest row ends.
+
+    A refilled row starts exactly as that prompt would in a batch of its own: its K/V, tokens, counters, key
+    (`SampleKey.rows` = the prompt's index, so sampled text is the prompt's whatever row it lands in), drafter
+    state and scheduler history are those of a fresh start (`Prefilled.state` on the inserted prompts), written
+    over the row's slice of every leaf that has a batch axis; what all rows share (the scheduler's measured costs
+    and calibration, the position counters) carries on. The batch axis of each leaf is read off the state's
+    shapes at two batch sizes, so any drafter's state is refilled without knowing its layout. Greedy output equals
+    AR's per prompt; the outputs come back in prompt order. Drafters with Python state (`jittable = False`) are
+    refused: their per-row state lives outside the loop's arrays. `scheduler.objective: throughput` values a round
+    by the tokens it commits over the rows, the objective of a batch that refills its rows."""
+    pol = get_policy(policy) if isinstance(policy, str) else policy
+    if not drafter.jittable:
+        raise ValueError(f"generate_refilled refills rows of the compiled loop; drafter {drafter.name!r} keeps "
+                         "Python state per row (use speculative_generate)")
+    if batch_size < 1 or not 1 <= refill_rows <= batch_size:
+        raise ValueError(f"batch_size must be >= 1 and refill_rows in [1, batch_size], got {batch_size} and "
+                         f"{refill_rows}")
+    scheduler = FixedWidth() if scheduler is None else scheduler
+    prompts = [list(p) for p in prompts]
+    max_new, limits = row_limits(max_new_tokens, len(prompts))
+    n = drafter.num_draft_tokens
+    check_fits([len(p) for p in prompts], max_new, context_limit(target, max_seq_len), extra=n + 1)
+    if scheduler.measured_in_loop:
+        scheduler = ForcedWidths(scheduler)
+    widths = scheduler.verify_widths(n, verify_buckets)
+    spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
+                    eos_ids=tuple(target.eos_token_ids), scheduler=scheduler, verify_widths=widths)
+    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
+    all_tokens, all_lengths = pad_prompts(prompts, pad)  # one prompt width for every insert
+    capacity = cache_capacity(all_lengths, max_new, extra=n + 1)
+    batch = min(batch_size, len(prompts))
+    measured = scheduler.prepare(LoopProbe(spec, target, all_tokens[:batch], all_lengths[:batch], capacity, True))
+
+    def fresh(index):  # the started state of prompts `index` (padded with copies of the last to `len(index)`)
+        ready = prefilled(spec, target, drafter, target.init_cache(len(index), capacity), all_tokens[index],
+                          all_lengths[index], capacity, seed, rows=index)
+        sched = scheduler.init_state(len(index), n, drafter.evidence_classes, measured)
+        return ready.state(limits[index], sched)
+
+    t0 = time.perf_counter()
+    state = dataclasses.replace(fresh(np.arange(batch)), stop_at=jnp.asarray(refill_rows, jnp.int32))
+    holder = list(range(batch))  # the prompt each row holds (-1: none)
+    queue, steps, rows_out = batch, 0, {}
+    prefill_s, decode_s = time.perf_counter() - t0, 0.0
+    shapes = [jax.eval_shape(lambda: dataclasses.replace(fresh(np.zeros(r, np.int64)), stop_at=jnp.int32(0)))
+              for r in (refill_rows, refill_rows + 1)]
+    axes = _batch_axes(*shapes)
+    while True:
+        t0 = time.perf_counter()
+        rounds_before = np.asarray(state.rounds)
+        state = compiled_loop(spec, target.params, drafter.params, state)
+        jax.block_until_ready(state)
+        decode_s += time.perf_counter() - t0
+        seq, seq_len, done, rounds, committed = map(to_host, (state.seq, state.seq_len, state.done, state.rounds,
+                                                              state.round_committed))
+        steps += int(np.max(rounds - rounds_before))  # the row finishing last ran every iteration
+        accepted, proposed = to_host(state.accepted), to_host(state.proposed)
+        free = []
+        for row, held in enumerate(holder):
+            if held >= 0 and done[row]:
+                rows_out[held] = (seq[row, all_lengths[held]: seq_len[row]].tolist(),
+                                  committed[row, : rounds[row]].tolist(), int(accepted[row]), int(proposed[row]))
+                holder[row] = -1
+            if holder[row] < 0:
+                free.append(row)
+        if queue >= len(prompts):
+            if all(h < 0 for h in holder):
+                break
+            state = dataclasses.replace(state, stop_at=jnp.asarray(batch, jnp.int32))  # drain
+            continue
+        t0 = time.perf_counter()
+        while free and queue < len(prompts):
+            take = list(range(queue, min(queue + refill_rows, queue + len(free), len(prompts))))
+            index = np.asarray(take + [take[-1]] * (refill_rows - len(take)))
+            slots = np.asarray(free[:len(take)] + [batch] * (refill_rows - len(take)), np.int32)  # batch: dropped
+            state = _insert(axes, state, fresh(index), jnp.asarray(slots))
+            for row, i in zip(free, take):
+                holder[row] = i
+            free, queue = free[len(take):], queue + len(take)
+        jax.block_until_ready(state)
+        prefill_s += time.perf_counter() - t0
+
+    order = range(len(prompts))
+    tokens = [rows_out[i][0] for i in order]
+    accept_lengths = [rows_out[i][1] for i in order]
+    pos_proposed, pos_accepted, pos_eligible = map(to_host, (state.position_proposed, state.position_accepted,
+                                                             state.position_eligible))
+    metrics = DecodeMetrics(
+        new_tokens=sum(map(len, tokens)), rounds=sum(map(len, accept_lengths)),
+        accepted_draft_tokens=sum(rows_out[i][2] for i in order), proposed_draft_tokens=sum(rows_out[i][3]
+                                                                                            for i in order),
+        prefill_seconds=prefill_s, decode_seconds=decode_s, position_proposed=pos_proposed.tolist(),
+        position_accepted=pos_accepted.tolist(), position_eligible=pos_eligible.tolist(), batch_size=len(prompts),
+        row_steps=batch * steps)
+    for name, value in spec.scheduler.metrics(spec, state.sched).items():
+        setattr(metrics, name, value)
+    return SpecOutput(tokens=tokens, metrics=metrics, accept_lengths=accept_lengths)
+
+
+def _batch_axes(small, bigger):
+    """Per leaf of a state's shapes at two batch sizes (`jax.eval_shape`), the axis that grows with the batch, or
+    None for a leaf all rows share (a hashable tuple in leaf order)."""
+    def axis(a, b):
+        grown = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        return grown[0] if grown else None
+    return tuple(axis(a, b) for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(bigger)))
+
+
+@functools.partial(jax.jit, static_argnames=("axes",), donate_argnames=("state",))
+def _insert(axes, state: LoopState, fresh: LoopState, slots) -> LoopState:
+    """`state` with rows `slots` [R] (a slot past the batch is dropped) taken from `fresh`, a started state of R
+    rows: every leaf with a batch axis (`axes`); the leaves all rows share stay `state`'s. `stop_at` is kept."""
+    leaves, tree = jax.tree.flatten(state)
+    new = jax.tree.leaves(dataclasses.replace(fresh, stop_at=state.stop_at))
+
+    def put(big, small, axis):
+        if axis is None:
+            return big
+        return big.at[(slice(None),) * axis + (slots,)].set(small.astype(big.dtype), mode="drop")
+    return jax.tree.unflatten(tree, [put(b, s, a) for b, s, a in zip(leaves, new, axes)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -643,14 +781,17 @@ def _copy(x):
 
 
 def prefilled(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, tokens, lengths, capacity: int,
-              seed: int) -> Prefilled:
-    """Prefill the padded prompts into `cache` and sample each row's first token (`Prefilled`)."""
+              seed: int, rows=None) -> Prefilled:
+    """Prefill the padded prompts into `cache` and sample each row's first token (`Prefilled`). `rows`: each
+    prompt's index in the caller's list, which keys its samples (`SampleKey.rows`; default 0..B-1)."""
     logits, taps, cache = prefill_distinct(target.params, cache, tokens, lengths, forward=target.forward,
                                            cfg=target.cfg, taps=drafter.taps)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    key = sample_key(seed, len(tokens))
+    if rows is not None:
+        key = dataclasses.replace(key, rows=jnp.asarray(rows, jnp.int32))
     # the limit is replaced by `Prefilled.state`; any value compiles the same program (it is traced)
-    first, state = _initial_state(spec, tokens, lengths, logits, cache, sample_key(seed, len(tokens)), 2,
-                                  capacity=capacity)
+    first, state = _initial_state(spec, tokens, lengths, logits, cache, key, 2, capacity=capacity)
     prompt = PromptInfo(tokens=tokens, lengths=lengths, taps=taps, first_token=first)
     return Prefilled(spec, drafter, state, prompt, capacity)
 
