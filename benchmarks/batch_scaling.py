@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
                     f"{SMOKE['lengths']}, batches {SMOKE['batches']}: checks that it runs")
     ap.add_argument("--out", type=Path, help="where results.json, results.md and the plot go "
                                              "(default runs/benchmarks/batch_scaling)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # configs and overrides before or after the options
     paths, overrides = split_args(args.items)
     if args.smoke:
         args.batches, args.lengths = list(SMOKE["batches"]), list(SMOKE["lengths"])

@@ -409,7 +409,7 @@ def load_config_prompts(cfg, target, mixed: bool = False, lengths: Sequence[int]
     batch-scaling benchmark). `lengths`: the prompts, in that order, ask for lengths[i % len(lengths)] new tokens
     each (`Prompts.limits`), so that the rows of a batch end at different times."""
     from experiments.build import codec_for, encode_prompt
-    from experiments.datasets import Prompt, load_all
+    from experiments.datasets import load_all
     from experiments.run import plan_batches
 
     codec = codec_for(target)

@@ -722,7 +722,7 @@ class LoopProbe:
         whole draft (~1 us): one such profile measured n-gram's draft at 14% of a round, so the adaptive width
         stopped treating it as free (`free_draft`), and the quickstart's rewrite prompt fell from 2.13x to 1.35x
         AR in replay."""
-        spec, target, drafter = self.spec, self.target, self.drafter
+        spec, drafter = self.spec, self.drafter
         state = self.prefilled.state(PROFILE_ROUNDS)
 
         @jax.jit
