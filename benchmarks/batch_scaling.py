@@ -108,7 +108,7 @@ def summary(all_cells: list[dict]) -> tuple[list[str], list[list], dict]:
         low = min(curve.values())
         cross = crossover(curve)
         rows.append([name, *(f"{curve[b]:.2f}x" if b in curve else "-" for b in sorted(curve)), f"{low:.2f}x",
-                     "yes" if low >= FLOOR else "NO", "none (gains at every batch)" if cross is None else cross])
+                     "yes" if low >= FLOOR else "NO", "none (gains at the largest batch)" if cross is None else cross])
     return header, rows, curves
 
 
