@@ -64,13 +64,14 @@ def interleaved_passes(target, methods: list[Method], prompts: Prompts, repeats:
             dataset = batch[0].dataset
             first = i == 0 or prompts.batches[i - 1][0].dataset != dataset
             ids, seed = prompts.batch_ids(batch), cfg.sampling.seed + i  # the seeds of `specdec run`'s batches
+            limits = prompts.batch_limits(batch, cfg.generation.max_new_tokens)
             for name in (names if r % 2 == 0 else names[::-1]):
                 if name == AR:
-                    tokens, metrics = decode_ar(cfg, target, ids, seed)
+                    tokens, metrics = decode_ar(cfg, target, ids, seed, limits)
                 else:
                     if first:
                         by_name[name].reset()
-                    tokens, metrics = decode_method(by_name[name], target, ids, seed)
+                    tokens, metrics = decode_method(by_name[name], target, ids, seed, limits)
                 got[name].setdefault(dataset, []).append((batch, tokens, metrics))
         passes.append(got)
         if repeats > 1:
@@ -124,6 +125,7 @@ def _figures(m: DecodeMetrics, ar: DecodeMetrics) -> dict:
     return {"tau": m.tau, "acceptance_rate": m.acceptance_rate, "tok_s": m.tokens_per_second,
             "tok_s_e2e": m.new_tokens / (m.decode_seconds + m.prefill_seconds), "speedup": speedup(ar, m),
             "new_tokens": m.new_tokens, "decode_s": m.decode_seconds, "prefill_s": m.prefill_seconds,
+            "idle_fraction": m.idle_fraction, "skipped_drafts": m.skipped_drafts,
             "acceptance_survival": m.acceptance_by_position()["survival"],
             "predicted_tok_s": m.predicted_tokens_per_second if m.predicted_seconds else None,
             "verify_widths": m.verify_widths or None, "width_rounds": m.width_rounds or None}
@@ -144,17 +146,18 @@ def table_row(r: dict) -> list:
 
 
 def compare(method_configs, repeats: int = 1, log: Callable[[str], None] = print, target=None,
-            drafters: dict | None = None) -> dict:
+            drafters: dict | None = None, mixed: bool = False, lengths=()) -> dict:
     """The whole comparison for `load_method_configs`' (name, config) pairs: {"rows": summarise's rows,
     "methods": name -> its description and config}. `target` / `drafters`: reuse what an earlier call built
-    (results_table runs one comparison per batch size)."""
+    (results_table runs one comparison per batch size). `mixed`, `lengths`: the prompts as one mixed set, each
+    with its own number of new tokens (`load_config_prompts`; the batch-scaling benchmark)."""
     from experiments.build import build_target
     from specdec.config import to_dict
 
     cfg = method_configs[0][1]
     if target is None:
         target = build_target(cfg.model, cfg.mesh)
-    prompts = load_config_prompts(cfg, target)
+    prompts = load_config_prompts(cfg, target, mixed=mixed, lengths=lengths)
     methods = build_methods(method_configs, target, log=log, drafters=drafters)
     counts = ", ".join(f"{d}: {sum(1 for p in prompts.items if p.dataset == d)}" for d in prompts.datasets)
     log(f"{len(prompts.items)} prompts ({counts}); batch {cfg.generation.batch_size}, "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -380,7 +381,8 @@ class Prompts:
     """The prompts of a config's `data:` section, loaded and encoded as `specdec run` does, in its batches."""
     items: list  # experiments.datasets.Prompt
     ids: dict[str, list[int]]  # prompt key -> token ids
-    batches: list[list]  # plan_batches: never mixing datasets
+    batches: list[list]  # plan_batches: never mixing datasets (or, `mixed`, every batch a mix)
+    limits: dict[str, int] = dataclasses.field(default_factory=dict)  # prompt key -> its own max new tokens
 
     @property
     def datasets(self) -> list[str]:
@@ -389,11 +391,23 @@ class Prompts:
     def batch_ids(self, batch) -> list[list[int]]:
         return [self.ids[p.key] for p in batch]
 
+    def batch_limits(self, batch, default: int) -> list[int] | int:
+        """Each prompt's max new tokens (`limits`), or `default` for all when none has its own."""
+        return [self.limits.get(p.key, default) for p in batch] if self.limits else default
 
-def load_config_prompts(cfg, target) -> Prompts:
+
+MIXED = "mixed"  # the dataset label of `load_config_prompts(mixed=True)`'s prompts
+
+
+def load_config_prompts(cfg, target, mixed: bool = False, lengths: Sequence[int] = ()) -> Prompts:
     """The prompts of `cfg.data` for `target`, chat-templated as `specdec run` templates them, batched by
     `generation.batch_size` without mixing datasets. Multi-turn prompts (`turns: 2`) need the target's own
-    answers first, which only `specdec run` makes: refused here."""
+    answers first, which only `specdec run` makes: refused here.
+
+    `mixed`: all the prompts form one set (dataset label MIXED, each prompt's category its source dataset), taken
+    in turn from each source, so that every batch mixes them and a batch of all the prompts is one batch (the
+    batch-scaling benchmark). `lengths`: the prompts, in that order, ask for lengths[i % len(lengths)] new tokens
+    each (`Prompts.limits`), so that the rows of a batch end at different times."""
     from experiments.build import codec_for, encode_prompt
     from experiments.datasets import load_all
     from experiments.run import plan_batches
@@ -404,27 +418,41 @@ def load_config_prompts(cfg, target) -> Prompts:
     if any(p.messages and any(m.get("content") is None for m in p.messages) for p in items):
         raise ValueError("data.datasets: multi-turn prompts (turns > 1) need the target's own earlier answers; "
                          "benchmark them with `specdec run`")
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"lengths: every prompt's new tokens must be >= 1, got {list(lengths)}")
+    if mixed:
+        sources: dict[str, list] = {}
+        for p in items:
+            sources.setdefault(p.dataset, []).append(p)
+        turns = itertools.zip_longest(*sources.values())
+        items = [dataclasses.replace(p, dataset=MIXED, question_id=p.key, category=p.dataset)
+                 for turn in turns for p in turn if p is not None]
     ids = {p.key: encode_prompt(codec, p, chat) for p in items}
-    return Prompts(items, ids, plan_batches(items, cfg.generation.batch_size))
+    limits = {p.key: lengths[i % len(lengths)] for i, p in enumerate(items)} if lengths else {}
+    return Prompts(items, ids, plan_batches(items, cfg.generation.batch_size), limits)
 
 
-def decode_ar(cfg, target, batch_ids: list[list[int]], seed: int):
+def decode_ar(cfg, target, batch_ids: list[list[int]], seed: int, max_new_tokens: int | list[int] | None = None):
     """(tokens, DecodeMetrics) of AR decoding of one batch, warmed up first (the same compiled programs run for 2
-    tokens, untimed), so compilation is excluded."""
+    tokens, untimed), so compilation is excluded. `max_new_tokens`: one limit or one per prompt (default: the
+    config's)."""
     from specdec.generate import ar_metrics, generate
 
-    out = generate(target, batch_ids, cfg.generation.max_new_tokens, cfg.sampling.to_params(), seed=seed,
+    limit = cfg.generation.max_new_tokens if max_new_tokens is None else max_new_tokens
+    out = generate(target, batch_ids, limit, cfg.sampling.to_params(), seed=seed,
                    max_seq_len=cfg.model.max_seq_len, warmup=True)
     return out.tokens, ar_metrics(out)
 
 
-def decode_method(method: Method, target, batch_ids: list[list[int]], seed: int):
+def decode_method(method: Method, target, batch_ids: list[list[int]], seed: int,
+                  max_new_tokens: int | list[int] | None = None):
     """(tokens, DecodeMetrics) of speculative decoding of one batch by `method`, warmed up like `decode_ar`."""
     from specdec.engine import speculative_generate
 
     cfg = method.cfg
+    limit = cfg.generation.max_new_tokens if max_new_tokens is None else max_new_tokens
     out = speculative_generate(target, method.drafter, batch_ids, policy=method.policy,
-                               max_new_tokens=cfg.generation.max_new_tokens, sampling=cfg.sampling.to_params(),
+                               max_new_tokens=limit, sampling=cfg.sampling.to_params(),
                                seed=seed, compiled=method.compiled, max_seq_len=cfg.model.max_seq_len, warmup=True,
                                scheduler=method.scheduler, verify_buckets=cfg.verify.buckets)
     return out.tokens, out.metrics

@@ -135,3 +135,24 @@ def speedup_by_category(runs: dict[str, dict[str, float]], path: Path, title: st
     ax.set_title(title or "speedup by dataset category", fontsize=9)
     ax.legend(fontsize=6, ncol=1 if len(runs) < 10 else 2)
     return _save(fig, path)
+
+
+def speedup_vs_batch(curves: dict[str, dict[int, float]], path: Path, title: str = "",
+                     floor: float | None = None) -> Path:
+    """Speedup over AR against the batch size (log-2 axis), one line per method ({method: {batch: speedup}}),
+    with AR's 1.0 and, if given, the `floor` a method must not fall below."""
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    batches = sorted({b for c in curves.values() for b in c})
+    for name, curve in curves.items():
+        xs = sorted(curve)
+        ax.plot(xs, _nan_gaps([curve[b] for b in xs]), "o-", label=name)
+    ax.axhline(1.0, color="black", lw=0.8, label="AR")
+    if floor is not None:
+        ax.axhline(floor, color="grey", lw=0.8, ls="--", label=f"{floor:g}x AR")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over AR (decode tok/s)")
+    ax.set_title(title or "speculative decoding under load", fontsize=9)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -33,6 +33,21 @@ from specdec.generate import CAPACITY_BUCKET
 from specdec.scheduler import Scheduler
 
 COST_FILE = "round_costs.json"
+PROFILE_ROUNDS = 16  # loop iterations per forced width when measuring round costs (width 0: always; CATCH_UP)
+# A drafted width whose rounds are slow is timed over fewer of them, down to MIN_PROFILE_ROUNDS, so that each
+# measurement spans about PROFILE_SECONDS: the machine's jitter is milliseconds per run, whatever the round costs.
+# 16 self-speculation rounds (4 draft steps through 24 layers each) took ~2 s per width and pass, and 16 rounds
+# per width at batch 32 (~0.5-1 s each on a 2-core CPU) made the profile minutes long before the first token.
+PROFILE_SECONDS = 0.4
+MIN_PROFILE_ROUNDS = 4
+
+
+def profile_rounds(seconds_per_round: float, most: int = PROFILE_ROUNDS) -> int:
+    """Loop iterations (or draft calls, `most` of them at most) that span about PROFILE_SECONDS at
+    `seconds_per_round` each, between MIN_PROFILE_ROUNDS and `most`."""
+    if seconds_per_round <= 0:
+        return most
+    return int(min(most, max(MIN_PROFILE_ROUNDS, np.ceil(PROFILE_SECONDS / seconds_per_round))))
 
 
 def cache_root() -> Path:
@@ -212,21 +227,32 @@ def load_or_measure_round_costs(key: str, measure, path=None, reprofile: bool = 
     return tuple(entry["round_cost"]), float(entry["draft_cost"])
 
 
-def round_costs(probe, placeholder, cost_path=None, reprofile: bool = False):
+def round_costs(probe, placeholder, cost_path=None, reprofile: bool = False, log=print):
     """(round_cost per verify width, draft_cost) of the loop `probe` describes (`specdec.engine.LoopProbe`),
     cached per machine, model, drafter, batch and capacity; measured on first use (or once per process with
     `reprofile`) by running that very loop with each width forced, on random prompts of the same shapes. A
     pure-JAX draft is timed alone (`probe.draft_seconds`): the difference of two noisy loop timings is larger
     than prompt lookup's whole draft, and once flipped its `free_draft` decision. `placeholder`: what the
-    scheduler's `init_state` takes for the forced runs (their decisions are overridden)."""
+    scheduler's `init_state` takes for the forced runs (their decisions are overridden). `log` says when a
+    measurement starts and how long it took: at batch 32 on a 2-core CPU it takes minutes, before any output."""
     spec = probe.spec
     key = cost_key(probe.target, probe.drafter, spec.policy.name, spec.sampling, probe.batch, probe.capacity,
                    spec.verify_widths)
     alone = probe.draft_seconds if probe.drafter.jittable else None
-    return load_or_measure_round_costs(
-        key, lambda: measure_round_costs(lambda plan, refine: probe.run_forced(plan, refine, placeholder),
-                                         len(spec.verify_widths), time_draft=alone),
-        cost_path, reprofile)
+
+    def measure():
+        widths = len(spec.verify_widths)
+        log(f"adaptive width: measuring the round costs of {probe.drafter.name} at batch {probe.batch} on this "
+            f"machine (verify widths {list(spec.verify_widths)}, 3 passes of {MIN_PROFILE_ROUNDS}-{PROFILE_ROUNDS} "
+            f"rounds each; cached in {Path(cost_path) if cost_path else default_cost_path()}) ...")
+        t0 = time.perf_counter()
+        out = measure_round_costs(lambda plan, refine: probe.run_forced(plan, refine, placeholder), widths,
+                                  time_draft=alone)
+        log(f"adaptive width: round costs measured in {time.perf_counter() - t0:.0f} s: "
+            + ", ".join(f"W={w}: {c * 1e3:.1f} ms" for w, c in zip(spec.verify_widths, out[0])))
+        return out
+
+    return load_or_measure_round_costs(key, measure, cost_path, reprofile)
 
 
 @jax.tree_util.register_dataclass

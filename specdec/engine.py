@@ -28,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec import trees
-from specdec.costs import ForcedWidths, forced
+from specdec.costs import PROFILE_ROUNDS, ForcedWidths, forced, profile_rounds
 from specdec.drafter import CATCH_UP, Draft, Drafter, PromptInfo, RoundContext, VerifyResult
-from specdec.generate import NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill_distinct
+from specdec.generate import (NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill_distinct,
+                              row_limits)
 from specdec.metrics import DecodeMetrics
 from specdec.models import transformer
 from specdec.models.transformer import KVCache
@@ -68,6 +69,15 @@ class LoopState:
     position_eligible: jax.Array
     round_committed: jax.Array  # int32 [B, C] tokens committed in each of the row's rounds (its accept lengths)
     sched: Any = ()  # the scheduler's state (`Scheduler.init_state`)
+    # int32 []: the loop returns once this many rows are done, so their rows can be refilled (`generate_refilled`);
+    # None: once every row is
+    stop_at: Any = None
+
+
+def running(state: LoopState) -> jax.Array:
+    """Whether the loop goes on: a row is still active and (refilling) fewer than `stop_at` rows are done."""
+    go = ~jnp.all(state.done)
+    return go if state.stop_at is None else go & (jnp.sum(state.done) < state.stop_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +374,7 @@ def plain_rounds(spec: LoopSpec, tparams, dparams, state: LoopState, shapes, cat
     microsecond). The drafter catches up (`catch_up`) once the run ends, and every CATCH_UP rounds within a
     longer one (its buffer of taps is full); `catch_up_after=False` (the host-stepped loop, whose drafter's
     update is Python): not at all, and the run is not cut: the caller catches up once after it."""
-    more = lambda s: ~jnp.all(s.done) & (jnp.asarray(spec.verify_widths)[spec.scheduler.plan(spec, s)] == 0)  # noqa: E731
+    more = lambda s: running(s) & (jnp.asarray(spec.verify_widths)[spec.scheduler.plan(spec, s)] == 0)  # noqa: E731
     if not catch_up_after:
         return jax.lax.while_loop(more, lambda s: plain_round(spec, tparams, s, shapes), state)
 
@@ -404,7 +414,7 @@ def compiled_loop(spec: LoopSpec, tparams, dparams, state: LoopState) -> LoopSta
             state = plain_rounds(spec, tparams, dparams, state, shapes)
         return state
 
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return jax.lax.while_loop(running, body, state)
 
 
 # verify and update donate the state they return (else XLA copies the KV cache into the output); propose does not,
@@ -448,12 +458,13 @@ class SpecOutput:
 
 
 def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
-                         policy: str | Policy = "greedy_chain", max_new_tokens: int = 64,
+                         policy: str | Policy = "greedy_chain", max_new_tokens: int | Sequence[int] = 64,
                          sampling: SamplingParams = GREEDY, seed: int = 0, compiled: bool | None = None,
                          max_seq_len: int | None = None, warmup: bool = False, scheduler=None,
                          verify_buckets=None, on_round=None) -> SpecOutput:
     """Speculative decoding of a batch of token-id prompts with any drafter and verification policy: a policy
-    name (with its default options) or a `specdec.verify.Policy` (`get_policy("typical", epsilon=0.05)`).
+    name (with its default options) or a `specdec.verify.Policy` (`get_policy("typical", epsilon=0.05)`), up to
+    `max_new_tokens` new tokens per prompt (one limit, or one per prompt).
 
     `scheduler` (specdec/scheduler.py; default `FixedWidth`: verify every drafted token) decides each round how
     many draft nodes the target verifies: `ThresholdSchedule` / `PrefixSchedule` per row from the drafter's
@@ -484,6 +495,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     if compiled and not drafter.jittable:
         raise ValueError(f"drafter {drafter.name!r} keeps Python state and cannot run in the compiled loop")
     prompts = [list(p) for p in prompts]
+    max_new_tokens, limits = row_limits(max_new_tokens, len(prompts))
     n = drafter.num_draft_tokens
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
     forcing = scheduler.measured_in_loop
@@ -498,36 +510,155 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
 
     probe = LoopProbe(spec, target, tokens, lengths, capacity, compiled)
     measured = scheduler.prepare(probe)
+    del probe  # and its prefilled random prompts (a cache the size of the run's)
 
     def fresh_state():  # a fresh state per run: the compiled loop donates its buffers
         return scheduler.init_state(len(tokens), n, drafter.evidence_classes, measured)
 
-    if warmup:  # the same compiled programs, run for 2 tokens
+    if warmup:  # the same compiled programs, run for 2 tokens from one prefill
         # Where the width can be forced, every verify width once (and a draft that verifies nothing, and the width-0
         # loop or burst): a path first taken in the timed run compiles there (a host-side drafter's burst of plain
         # rounds, compiled mid-run, cost suffix decoding 2.4x on MT-Bench).
         paths = [(k, k) for k in range(len(widths))] + [(len(widths) - 1, 0)] if forcing else [None]
+        ready = prefilled(spec, target, drafter, target.init_cache(len(tokens), capacity), tokens, lengths, capacity,
+                          seed)
         for path in paths:
             state = fresh_state() if path is None else forced(fresh_state(), *path)
-            _run(spec, target, drafter, tokens, lengths, capacity, 2, seed, compiled, sched_state=state)
-    return _run(spec, target, drafter, tokens, lengths, capacity, max_new_tokens, seed, compiled, on_round,
+            _decode(spec, target, drafter, ready.state(2, state), lengths, compiled)
+        del ready
+    return _run(spec, target, drafter, tokens, lengths, capacity, limits, seed, compiled, on_round,
                 sched_state=fresh_state())
 
 
-PROFILE_ROUNDS = 16  # loop iterations per forced width when measuring round costs (width 0: always; CATCH_UP)
-# A drafted width whose rounds are slow is timed over fewer of them, down to MIN_PROFILE_ROUNDS, so that each
-# measurement spans about PROFILE_SECONDS: the machine's jitter is milliseconds per run, whatever the round costs,
-# and 16 self-speculation rounds (4 draft steps through 24 layers each) took ~2 s per width and repeat.
-PROFILE_SECONDS = 0.4
-MIN_PROFILE_ROUNDS = 4
 
 
-def profile_rounds(seconds_per_round: float, most: int = PROFILE_ROUNDS) -> int:
-    """Loop iterations (or draft calls, `most` of them at most) that span about PROFILE_SECONDS at
-    `seconds_per_round` each, between MIN_PROFILE_ROUNDS and `most`."""
-    if seconds_per_round <= 0:
-        return most
-    return int(min(most, max(MIN_PROFILE_ROUNDS, np.ceil(PROFILE_SECONDS / seconds_per_round))))
+def generate_refilled(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, batch_size: int,
+                      refill_rows: int = 1, policy: str | Policy = "greedy_chain",
+                      max_new_tokens: int | Sequence[int] = 64, sampling: SamplingParams = GREEDY, seed: int = 0,
+                      max_seq_len: int | None = None, scheduler=None, verify_buckets=None) -> SpecOutput:
+    """Speculative decoding of more prompts than rows: `batch_size` rows run the compiled loop, which returns to the
+    host once `refill_rows` of them are done (`LoopState.stop_at`); the host then prefills the next prompts into
+    those rows and the loop goes on. A row that finished thus does not idle until the batch's longest row ends.
+
+    A refilled row starts exactly as that prompt would in a batch of its own: its K/V, tokens, counters, key
+    (`SampleKey.rows` = the prompt's index, so sampled text is the prompt's whatever row it lands in), drafter
+    state and scheduler history are those of a fresh start (`Prefilled.state` on the inserted prompts), written
+    over the row's slice of every leaf that has a batch axis; what all rows share (the scheduler's measured costs
+    and calibration, the position counters) carries on. The batch axis of each leaf is read off the state's
+    shapes at two batch sizes, so any drafter's state is refilled without knowing its layout. Greedy output equals
+    AR's per prompt; the outputs come back in prompt order. Drafters with Python state (`jittable = False`) are
+    refused: their per-row state lives outside the loop's arrays. `scheduler.objective: throughput` values a round
+    by the tokens it commits over the rows, the objective of a batch that refills its rows."""
+    pol = get_policy(policy) if isinstance(policy, str) else policy
+    if not drafter.jittable:
+        raise ValueError(f"generate_refilled refills rows of the compiled loop; drafter {drafter.name!r} keeps "
+                         "Python state per row (use speculative_generate)")
+    if batch_size < 1 or not 1 <= refill_rows <= batch_size:
+        raise ValueError(f"batch_size must be >= 1 and refill_rows in [1, batch_size], got {batch_size} and "
+                         f"{refill_rows}")
+    scheduler = FixedWidth() if scheduler is None else scheduler
+    prompts = [list(p) for p in prompts]
+    max_new, limits = row_limits(max_new_tokens, len(prompts))
+    n = drafter.num_draft_tokens
+    check_fits([len(p) for p in prompts], max_new, context_limit(target, max_seq_len), extra=n + 1)
+    if scheduler.measured_in_loop:
+        scheduler = ForcedWidths(scheduler)
+    widths = scheduler.verify_widths(n, verify_buckets)
+    spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
+                    eos_ids=tuple(target.eos_token_ids), scheduler=scheduler, verify_widths=widths)
+    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
+    all_tokens, all_lengths = pad_prompts(prompts, pad)  # one prompt width for every insert
+    capacity = cache_capacity(all_lengths, max_new, extra=n + 1)
+    batch = min(batch_size, len(prompts))
+    measured = scheduler.prepare(LoopProbe(spec, target, all_tokens[:batch], all_lengths[:batch], capacity, True))
+
+    def fresh(index):  # the started state of prompts `index` (padded with copies of the last to `len(index)`)
+        ready = prefilled(spec, target, drafter, target.init_cache(len(index), capacity), all_tokens[index],
+                          all_lengths[index], capacity, seed, rows=index)
+        sched = scheduler.init_state(len(index), n, drafter.evidence_classes, measured)
+        return ready.state(limits[index], sched)
+
+    t0 = time.perf_counter()
+    state = dataclasses.replace(fresh(np.arange(batch)), stop_at=jnp.asarray(refill_rows, jnp.int32))
+    holder = list(range(batch))  # the prompt each row holds (-1: none)
+    queue, steps, rows_out = batch, 0, {}
+    prefill_s, decode_s = time.perf_counter() - t0, 0.0
+    shapes = [jax.eval_shape(lambda: dataclasses.replace(fresh(np.zeros(r, np.int64)), stop_at=jnp.int32(0)))
+              for r in (refill_rows, refill_rows + 1)]
+    axes = _batch_axes(*shapes)
+    while True:
+        t0 = time.perf_counter()
+        rounds_before = np.asarray(state.rounds)
+        state = compiled_loop(spec, target.params, drafter.params, state)
+        jax.block_until_ready(state)
+        decode_s += time.perf_counter() - t0
+        seq, seq_len, done, rounds, committed = map(to_host, (state.seq, state.seq_len, state.done, state.rounds,
+                                                              state.round_committed))
+        steps += int(np.max(rounds - rounds_before))  # the row finishing last ran every iteration
+        accepted, proposed = to_host(state.accepted), to_host(state.proposed)
+        free = []
+        for row, held in enumerate(holder):
+            if held >= 0 and done[row]:
+                rows_out[held] = (seq[row, all_lengths[held]: seq_len[row]].tolist(),
+                                  committed[row, : rounds[row]].tolist(), int(accepted[row]), int(proposed[row]))
+                holder[row] = -1
+            if holder[row] < 0:
+                free.append(row)
+        if queue >= len(prompts):
+            if all(h < 0 for h in holder):
+                break
+            state = dataclasses.replace(state, stop_at=jnp.asarray(batch, jnp.int32))  # drain
+            continue
+        t0 = time.perf_counter()
+        while free and queue < len(prompts):
+            take = list(range(queue, min(queue + refill_rows, queue + len(free), len(prompts))))
+            index = np.asarray(take + [take[-1]] * (refill_rows - len(take)))
+            slots = np.asarray(free[:len(take)] + [batch] * (refill_rows - len(take)), np.int32)  # batch: dropped
+            state = _insert(axes, state, fresh(index), jnp.asarray(slots))
+            for row, i in zip(free, take):
+                holder[row] = i
+            free, queue = free[len(take):], queue + len(take)
+        jax.block_until_ready(state)
+        prefill_s += time.perf_counter() - t0
+
+    order = range(len(prompts))
+    tokens = [rows_out[i][0] for i in order]
+    accept_lengths = [rows_out[i][1] for i in order]
+    pos_proposed, pos_accepted, pos_eligible = map(to_host, (state.position_proposed, state.position_accepted,
+                                                             state.position_eligible))
+    metrics = DecodeMetrics(
+        new_tokens=sum(map(len, tokens)), rounds=sum(map(len, accept_lengths)),
+        accepted_draft_tokens=sum(rows_out[i][2] for i in order), proposed_draft_tokens=sum(rows_out[i][3]
+                                                                                            for i in order),
+        prefill_seconds=prefill_s, decode_seconds=decode_s, position_proposed=pos_proposed.tolist(),
+        position_accepted=pos_accepted.tolist(), position_eligible=pos_eligible.tolist(), batch_size=len(prompts),
+        row_steps=batch * steps)
+    for name, value in spec.scheduler.metrics(spec, state.sched).items():
+        setattr(metrics, name, value)
+    return SpecOutput(tokens=tokens, metrics=metrics, accept_lengths=accept_lengths)
+
+
+def _batch_axes(small, bigger):
+    """Per leaf of a state's shapes at two batch sizes (`jax.eval_shape`), the axis that grows with the batch, or
+    None for a leaf all rows share (a hashable tuple in leaf order)."""
+    def axis(a, b):
+        grown = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        return grown[0] if grown else None
+    return tuple(axis(a, b) for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(bigger)))
+
+
+@functools.partial(jax.jit, static_argnames=("axes",), donate_argnames=("state",))
+def _insert(axes, state: LoopState, fresh: LoopState, slots) -> LoopState:
+    """`state` with rows `slots` [R] (a slot past the batch is dropped) taken from `fresh`, a started state of R
+    rows: every leaf with a batch axis (`axes`); the leaves all rows share stay `state`'s. `stop_at` is kept."""
+    leaves, tree = jax.tree.flatten(state)
+    new = jax.tree.leaves(dataclasses.replace(fresh, stop_at=state.stop_at))
+
+    def put(big, small, axis):
+        if axis is None:
+            return big
+        return big.at[(slice(None),) * axis + (slots,)].set(small.astype(big.dtype), mode="drop")
+    return jax.tree.unflatten(tree, [put(b, s, a) for b, s, a in zip(leaves, new, axes)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,6 +672,8 @@ class LoopProbe:
     lengths: Any
     capacity: int
     compiled: bool
+    # the loop lengths of the forced runs so far (the first one compiles); not part of the probe's identity
+    runs: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def drafter(self) -> Drafter:
@@ -557,29 +690,37 @@ class LoopProbe:
 
     def run_forced(self, plan: int, refine: int, measured) -> float:
         """Seconds per loop iteration with the plan and refine decisions forced to those indices into the verify
-        widths, every draft node up to the width verified: PROFILE_ROUNDS iterations (a drafted width: fewer if its
-        rounds are slow, `profile_rounds`), after a 2-token run that compiles the loop once per process and
-        times one iteration; the loop's scheduler is a `specdec.costs.ForcedWidths`. Width 0 always runs
+        widths, every draft node up to the width verified. Every run starts from the probe's one prefill of its
+        random prompts (`prefilled`); the first run of the probe (2 tokens) compiles the loop. Width 0 runs
         PROFILE_ROUNDS = CATCH_UP plain rounds, so its time holds one catch-up per CATCH_UP of them, as a long run
-        of skips does. `measured`: what the wrapped scheduler's `init_state` takes (any value of the right shapes:
-        its decisions are overridden)."""
+        of skips does; a drafted width is timed over `profile_rounds` iterations, sized by a first short run to
+        span about PROFILE_SECONDS (fewer where rounds are slow: self-speculation's, or any at batch 32). The
+        loop's scheduler is a `specdec.costs.ForcedWidths`. `measured`: what the wrapped scheduler's `init_state`
+        takes (any value of the right shapes: its decisions are overridden)."""
         scheduler = self.spec.scheduler
         if not isinstance(scheduler, ForcedWidths):
             raise TypeError("run_forced needs a loop whose scheduler is wrapped in ForcedWidths "
                             "(schedulers with measured_in_loop are)")
-        fake = self.random_prompts()
-
         def run(rounds: int) -> float:
             state = scheduler.init_state(self.batch, self.drafter.num_draft_tokens, self.drafter.evidence_classes,
                                          measured)  # fresh: the loop donates its state
             with self.drafter.profiling():
-                out = _run(self.spec, self.target, self.drafter, fake, self.lengths, self.capacity, rounds, 0,
-                           self.compiled, sched_state=forced(state, plan, refine))
+                out = _decode(self.spec, self.target, self.drafter,
+                              self.prefilled.state(rounds, forced(state, plan, refine)), self.lengths, self.compiled)
+            self.runs.append(rounds)
             return out.metrics.decode_seconds / max(max(map(len, out.accept_lengths)), 1)  # per loop iteration
 
-        first = run(2)
-        drafted = self.spec.verify_widths[plan] > 0
-        return run((profile_rounds(first) if drafted else PROFILE_ROUNDS) + 1)
+        if not self.runs:
+            run(2)  # compiles the loop
+        if self.spec.verify_widths[plan] == 0:
+            return run(PROFILE_ROUNDS + 1)
+        return run(profile_rounds(run(2)) + 1)
+
+    @functools.cached_property
+    def prefilled(self) -> Prefilled:
+        """The random prompts prefilled once, for every forced run and the draft timing."""
+        return prefilled(self.spec, self.target, self.drafter, self.target.init_cache(self.batch, self.capacity),
+                         self.random_prompts(), self.lengths, self.capacity, 0)
 
     def draft_seconds(self, calls: int = 4 * PROFILE_ROUNDS, repeats: int = 3) -> float:
         """Seconds one `propose` of a pure-JAX drafter takes, timed alone in a compiled loop of up to `calls` drafts
@@ -590,9 +731,8 @@ class LoopProbe:
         whole draft (~1 us): one such profile measured n-gram's draft at 14% of a round, so the adaptive width
         stopped treating it as free (`free_draft`), and the quickstart's rewrite prompt fell from 2.13x to 1.35x
         AR in replay."""
-        spec, target, drafter = self.spec, self.target, self.drafter
-        state = start(spec, target, drafter, target.init_cache(self.batch, self.capacity), self.random_prompts(),
-                      self.lengths, self.capacity, PROFILE_ROUNDS, 0)
+        spec, drafter = self.spec, self.drafter
+        state = self.prefilled.state(PROFILE_ROUNDS)
 
         @jax.jit
         def drafts(n, dparams, dstate, seq, seq_len, done, cache, key):
@@ -618,13 +758,53 @@ def start(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, toke
           limit, seed: int, sched_state=None) -> LoopState:
     """Prefill the padded prompts into `cache`, sample each row's first token, initialise the drafter: the
     state the loop starts from."""
+    return prefilled(spec, target, drafter, cache, tokens, lengths, capacity, seed).state(limit, sched_state)
+
+
+@dataclasses.dataclass
+class Prefilled:
+    """A batch whose prompts the target has prefilled, that several loop runs may start from (`state`): the
+    warm-up's paths and the round-cost profile's forced widths. At batch 32 on 2 CPU cores a prefill of 256-token
+    prompts takes ~28 CPU-seconds, a loop iteration ~1: one prefill per run (31 of them in one adaptive call: 24
+    for the profile, 5 for the warm-up) cost ~15 minutes before the first timed token."""
+
+    spec: LoopSpec
+    drafter: Drafter
+    loop: LoopState  # the target's side of the started loop (no drafter or scheduler state)
+    prompt: PromptInfo
+    capacity: int
+
+    def state(self, limit, sched_state=None) -> LoopState:
+        """A fresh loop state (its own buffers: the compiled loop donates them) with each row's `limit` of new
+        tokens, the drafter initialised on the prompts afresh (a host-side drafter's Python state included) and
+        `sched_state`."""
+        state, prompt = jax.tree.map(_copy, (self.loop, self.prompt))
+        batch = state.seq.shape[0]
+        limit = jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (batch,))
+        eos = jnp.asarray(self.spec.eos_ids or (NO_EOS,), jnp.int32)
+        done = jnp.isin(prompt.first_token, eos) | (limit <= 1)  # as `_initial_state` sets it
+        return dataclasses.replace(state, limit=limit, done=done, sched=sched_state,
+                                   drafter_state=self.drafter.init(self.drafter.params, prompt, self.capacity))
+
+
+def _copy(x):
+    return jnp.copy(x) if isinstance(x, jax.Array) else x
+
+
+def prefilled(spec: LoopSpec, target: Target, drafter: Drafter, cache: KVCache, tokens, lengths, capacity: int,
+              seed: int, rows=None) -> Prefilled:
+    """Prefill the padded prompts into `cache` and sample each row's first token (`Prefilled`). `rows`: each
+    prompt's index in the caller's list, which keys its samples (`SampleKey.rows`; default 0..B-1)."""
     logits, taps, cache = prefill_distinct(target.params, cache, tokens, lengths, forward=target.forward,
                                            cfg=target.cfg, taps=drafter.taps)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    first, state = _initial_state(spec, tokens, lengths, logits, cache, sample_key(seed, len(tokens)), limit,
-                                  capacity=capacity)
+    key = sample_key(seed, len(tokens))
+    if rows is not None:
+        key = dataclasses.replace(key, rows=jnp.asarray(rows, jnp.int32))
+    # the limit is replaced by `Prefilled.state`; any value compiles the same program (it is traced)
+    first, state = _initial_state(spec, tokens, lengths, logits, cache, key, 2, capacity=capacity)
     prompt = PromptInfo(tokens=tokens, lengths=lengths, taps=taps, first_token=first)
-    return dataclasses.replace(state, drafter_state=drafter.init(drafter.params, prompt, capacity), sched=sched_state)
+    return Prefilled(spec, drafter, state, prompt, capacity)
 
 
 def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled, on_round=None,
@@ -633,8 +813,13 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
     t0 = time.perf_counter()
     state = start(spec, target, drafter, cache, tokens, lengths, capacity, limit, seed, sched_state)
     jax.block_until_ready(state)
-    t1 = time.perf_counter()
+    return _decode(spec, target, drafter, state, lengths, compiled, on_round, prefill_seconds=time.perf_counter() - t0)
 
+
+def _decode(spec, target, drafter, state: LoopState, lengths, compiled, on_round=None,
+            prefill_seconds: float = 0.0) -> SpecOutput:
+    """Runs the loop from a started `state` to the end; the decode time counts from here."""
+    t1 = time.perf_counter()
     draft_s = verify_s = None
     callback_s = 0.0
     if compiled:
@@ -683,14 +868,16 @@ def _run(spec, target, drafter, tokens, lengths, capacity, limit, seed, compiled
     seq, seq_len, rounds, accepted, proposed, pos_proposed, pos_accepted, pos_eligible, committed = map(to_host, (
         state.seq, state.seq_len, state.rounds, state.accepted, state.proposed, state.position_proposed,
         state.position_accepted, state.position_eligible, state.round_committed))
-    rows = [seq[i, lengths[i]: seq_len[i]].tolist() for i in range(len(tokens))]
+    batch = len(seq)
+    rows = [seq[i, lengths[i]: seq_len[i]].tolist() for i in range(batch)]
     metrics = DecodeMetrics(
         new_tokens=int(np.sum(seq_len - lengths)), rounds=int(np.sum(rounds)),
         accepted_draft_tokens=int(np.sum(accepted)), proposed_draft_tokens=int(np.sum(proposed)),
-        prefill_seconds=t1 - t0, decode_seconds=t2 - t1, draft_seconds=draft_s, verify_seconds=verify_s,
+        prefill_seconds=prefill_seconds, decode_seconds=t2 - t1, draft_seconds=draft_s, verify_seconds=verify_s,
         position_proposed=pos_proposed.tolist(), position_accepted=pos_accepted.tolist(),
-        position_eligible=pos_eligible.tolist(), batch_size=len(tokens))
+        position_eligible=pos_eligible.tolist(), batch_size=batch,
+        row_steps=batch * int(np.max(rounds, initial=0)))  # the row finishing last is active every iteration
     for name, value in spec.scheduler.metrics(spec, state.sched).items():  # e.g. the adaptive width's choices
         setattr(metrics, name, value)
-    accept_lengths = [committed[i, : rounds[i]].tolist() for i in range(len(tokens))]
+    accept_lengths = [committed[i, : rounds[i]].tolist() for i in range(batch)]
     return SpecOutput(tokens=rows, metrics=metrics, accept_lengths=accept_lengths)

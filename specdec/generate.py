@@ -60,6 +60,18 @@ def check_fits(prompt_lengths: Sequence[int], max_new_tokens: int, limit: int, e
                 "Shorten the prompt or lower max_new_tokens (prompts are never truncated silently).")
 
 
+def row_limits(max_new_tokens: int | Sequence[int], rows: int) -> tuple[int, np.ndarray]:
+    """(the largest limit, int32 [rows] each row's limit) of `max_new_tokens`: one limit for every row, or one
+    per row (requests that each ask for their own number of tokens end at different times)."""
+    limits = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (rows,)) if np.ndim(max_new_tokens) == 0 \
+        else np.asarray(max_new_tokens, np.int64)
+    if limits.shape != (rows,):
+        raise ValueError(f"max_new_tokens gives {limits.size} limits for {rows} prompts: give one, or one per prompt")
+    if rows and limits.min() < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {int(limits.min())}")
+    return int(limits.max(initial=1)), limits.astype(np.int32)
+
+
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: int = PROMPT_BUCKET):
     """Right-pad prompts to a common bucketed length: (tokens int32 [B, T], lengths int32 [B])."""
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -117,7 +129,7 @@ def _copy_rows(cache: KVCache, small: KVCache, logits, taps, source):
                    donate_argnames=("cache",))
 def decode_loop(params, cache: KVCache, first_logits, key, limit, *, forward: Callable, cfg,
                 sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...]):
-    """Sample up to `limit` (<= max_new_tokens, traced) tokens per row inside one while_loop. `key`: a
+    """Sample up to `limit` [B] (<= max_new_tokens, traced) tokens per row inside one while_loop. `key`: a
     `specdec.sampling.SampleKey` (its `start` unused): the token at position t of row r is drawn with the noise of
     (seed, r, t), which speculative decoding's invariant policies reproduce token for token.
     Returns (tokens [B, max_new_tokens] -1 padded, counts [B], cache). The cache is donated and returned so
@@ -170,21 +182,23 @@ class GenerationOutput:
         return self.num_new_tokens / max(self.decode_seconds, 1e-9)
 
 
-def generate(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
+def generate(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 64,
              sampling: SamplingParams = GREEDY, seed: int = 0, max_seq_len: int | None = None,
              warmup: bool = False) -> GenerationOutput:
-    """Autoregressive generation for a batch of token-id prompts of any lengths. Sampled tokens are keyed by
-    (seed, the prompt's index in `prompts`, absolute position): `specdec.sampling.SampleKey`.
+    """Autoregressive generation for a batch of token-id prompts of any lengths, up to `max_new_tokens` each (one
+    limit, or one per prompt). Sampled tokens are keyed by (seed, the prompt's index in `prompts`, absolute
+    position): `specdec.sampling.SampleKey`.
 
     `warmup=True` first runs the same compiled programs for two tokens (untimed), so the reported times
     exclude compilation."""
     prompts = [list(p) for p in prompts]
+    max_new_tokens, limits = row_limits(max_new_tokens, len(prompts))
     check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len))
     pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     tokens, lengths = pad_prompts(prompts, pad)
     if warmup:
-        _generate(target, tokens, lengths, max_new_tokens, 2, sampling, seed)
-    return _generate(target, tokens, lengths, max_new_tokens, max_new_tokens, sampling, seed)
+        _generate(target, tokens, lengths, max_new_tokens, np.minimum(limits, 2), sampling, seed)
+    return _generate(target, tokens, lengths, max_new_tokens, limits, sampling, seed)
 
 
 def _generate(target, tokens, lengths, max_new_tokens, limit, sampling, seed) -> GenerationOutput:
@@ -194,7 +208,8 @@ def _generate(target, tokens, lengths, max_new_tokens, limit, sampling, seed) ->
                                         cfg=target.cfg)
     logits.block_until_ready()
     t1 = time.perf_counter()
-    out, counts, _ = decode_loop(target.params, cache, logits, sample_key(seed, len(tokens)), jnp.int32(limit),
+    out, counts, _ = decode_loop(target.params, cache, logits, sample_key(seed, len(tokens)),
+                              jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (len(tokens),)),
                               forward=target.forward,
                               cfg=target.cfg, sampling=sampling, max_new_tokens=max_new_tokens,
                               eos_ids=tuple(target.eos_token_ids))
@@ -209,7 +224,8 @@ def ar_metrics(output: GenerationOutput) -> "DecodeMetrics":
     from specdec.metrics import DecodeMetrics
 
     rows = len(output.tokens)
-    return DecodeMetrics(new_tokens=output.num_new_tokens, rounds=output.num_new_tokens - rows,
+    steps = max((len(t) - 1 for t in output.tokens), default=0)  # the loop runs until its longest row ends
+    return DecodeMetrics(new_tokens=output.num_new_tokens, rounds=output.num_new_tokens - rows, row_steps=rows * steps,
                          accepted_draft_tokens=0, proposed_draft_tokens=0,
                          prefill_seconds=output.prefill_seconds, decode_seconds=output.decode_seconds,
                          draft_seconds=0.0, verify_seconds=output.decode_seconds, batch_size=rows)

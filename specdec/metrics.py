@@ -29,6 +29,9 @@ class DecodeMetrics:
     # (and not cut off by EOS / max_new_tokens before j's verdict was committed)
     position_eligible: list[int] = dataclasses.field(default_factory=list)
     batch_size: int = 1
+    # rows x loop iterations (AR: x decode steps): the row-rounds the batch computed, those of rows already finished
+    # included (static shapes: a finished row's lane still runs until the batch's last row ends); None: unknown
+    row_steps: int | None = None
     # the adaptive verify width (specdec/adaptive.py): loop iterations per verify width (draft nodes; 0 = a plain
     # decode step), how many skipped the draft, and the cost model's predicted decode time
     verify_widths: list[int] = dataclasses.field(default_factory=list)
@@ -47,6 +50,11 @@ class DecodeMetrics:
         """Mean tokens committed per round, bonus included (the first token from prefill excluded)."""
         committed = self.new_tokens - self.batch_size  # each row's first token comes from prefill
         return committed / self.rounds if self.rounds else float("nan")
+
+    @property
+    def idle_fraction(self) -> float:
+        """The share of the batch's row-rounds spent on rows already finished (0: every row ran to the end)."""
+        return 1.0 - self.rounds / self.row_steps if self.row_steps else float("nan")
 
     @property
     def acceptance_rate(self) -> float:
@@ -102,6 +110,8 @@ class DecodeMetrics:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "batch_size": self.batch_size,
+            "row_steps": self.row_steps,
+            "idle_fraction": self.idle_fraction,
         }
         if self.width_rounds:
             out.update(verify_widths=self.verify_widths, width_rounds=self.width_rounds,
@@ -142,6 +152,7 @@ def merge(metrics: list[DecodeMetrics]) -> DecodeMetrics:
         position_accepted=sum((pad(m.position_accepted) for m in metrics), np.zeros(width, np.int64)).tolist(),
         position_eligible=sum((pad(m.position_eligible) for m in metrics), np.zeros(width, np.int64)).tolist(),
         batch_size=sum(m.batch_size for m in metrics),
+        row_steps=None if any(m.row_steps is None for m in metrics) else sum(m.row_steps for m in metrics),
         **_merge_widths(metrics),
     )
 

@@ -765,6 +765,32 @@ def test_round_costs_are_measured_in_the_loop_once_and_cached(tmp_path, monkeypa
     assert len(measured) == 1
 
 
+def test_an_adaptive_call_prefills_its_prompts_three_times(tmp_path, monkeypatch):
+    """The round-cost profile (every verify width, 3 passes, plus the draft timing) and the warm-up (every path)
+    start their runs from one prefill each: with a prefill per run, one adaptive call at batch 32 on a 2-core CPU
+    spent ~15 minutes prefilling (31 prefills of ~28 CPU-seconds) before its first timed token. Three prefills:
+    the profile's random prompts, the warm-up's, the timed run's; the output stays AR's, for a jittable drafter
+    and for the host-stepped suffix drafter (whose Python state each warm-up path initialises afresh)."""
+    target = peaky_target(4)
+    prompts = PROMPTS * 2
+    calls, real = [], engine.prefill_distinct
+    monkeypatch.setattr(engine, "prefill_distinct", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ar = generate(target, prompts, max_new_tokens=9).tokens
+    ngram = create_drafter("ngram", target, 4, max_ngram=2)
+    run = dict(max_new_tokens=9, scheduler=AdaptiveWidth(cost_path=str(tmp_path / "costs.json")), warmup=True)
+    assert speculative_generate(target, ngram, prompts, **run).tokens == ar
+    assert len(calls) == 3, len(calls)
+    calls.clear()
+    assert speculative_generate(target, ngram, prompts, **run).tokens == ar
+    assert len(calls) == 2, len(calls)  # costs cached: the warm-up's and the timed run's
+    # the host-stepped loop's warm-up paths, from one prefill (round costs given: no profile)
+    calls.clear()
+    sched = AdaptiveWidth(round_costs=(1.0, 1.1, 1.3, 1.5), draft_cost=0.1)
+    out = speculative_generate(target, create_drafter("suffix", target, 4), prompts, policy="greedy_tree",
+                               max_new_tokens=9, scheduler=sched, warmup=True)
+    assert out.tokens == ar and len(calls) == 2, len(calls)
+
+
 def test_a_pure_jax_drafts_cost_is_timed_alone(tmp_path, monkeypatch):
     """A jittable drafter's draft cost is `draft_seconds` (its propose alone in a compiled loop), not the difference
     of two loop timings, whose noise made prompt lookup's ~1 us draft look like 14% of a round."""
@@ -817,9 +843,9 @@ def test_adaptive_config_and_bad_inputs():
 
 
 def test_a_slow_drafted_width_is_profiled_over_fewer_rounds():
-    """`engine.profile_rounds`: a measurement spans about PROFILE_SECONDS, within [MIN_PROFILE_ROUNDS, most]; a
+    """`costs.profile_rounds`: a measurement spans about PROFILE_SECONDS, within [MIN_PROFILE_ROUNDS, most]; a
     cheap round keeps every round (and a non-positive first timing falls back to all of them)."""
-    from specdec.engine import MIN_PROFILE_ROUNDS, PROFILE_ROUNDS, PROFILE_SECONDS, profile_rounds
+    from specdec.costs import MIN_PROFILE_ROUNDS, PROFILE_ROUNDS, PROFILE_SECONDS, profile_rounds
 
     assert profile_rounds(1e-3) == PROFILE_ROUNDS
     assert profile_rounds(0.0) == PROFILE_ROUNDS

@@ -138,7 +138,7 @@ def test_the_shipped_benchmark_configs_load_and_compare():
     """configs/benchmarks/: every method config loads (its scheduler knobs exist) and they share the run settings,
     so one benchmark run can compare them all."""
     folder = Path(__file__).resolve().parents[1] / "configs" / "benchmarks"
-    paths = sorted(str(p) for p in folder.glob("*.yaml") if p.stem != "base")
+    paths = sorted(str(p) for p in folder.glob("*.yaml") if p.stem not in ("base", "scaling"))  # not methods
     methods = dict(load_method_configs(paths))
     assert {"ngram", "suffix", "dspark_shipped", "hybrid"} <= set(methods)
     assert methods["dspark_shipped"].drafter.path == "drafters/trained/dspark_smollm2_mix"
@@ -175,6 +175,38 @@ def test_bench_speculative_compares_config_methods_with_ar(tiny_configs, tmp_pat
     assert meta["command"].startswith("python -m benchmarks.bench_speculative ") and "--repeats 2" in meta["command"]
     md = (out / "results.md").read_text()
     assert meta["commit"] in md and meta["command"] in md and "| quickstart | 1 | suffix |" in md
+
+
+def test_batch_scaling_mixes_the_sources_and_reports_speedup_idle_and_crossover(tiny_configs, tmp_path):
+    """The batch-scaling benchmark on the tiny target: the prompts of two sources as one mixed set (the largest
+    batch is all of them, one batch), each prompt with its own number of new tokens, every output equal to AR's at
+    every batch, the idle fraction of rows that ended early, the crossover and the plot."""
+    from benchmarks import batch_scaling
+
+    ngram, suffix = tiny_configs
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("".join(json.dumps({"prompt": f"count {i} {i + 1} {i + 2} {i}"}) + "\n" for i in range(3)))
+    prompts = _write(tmp_path / "prompts.yaml", f"""\
+        generation: {{max_new_tokens: 9}}
+        data: {{datasets: [{{name: quickstart, limit: 3}}, {{name: {extra}}}], chat_template: false}}
+        """)
+    out = tmp_path / "out"
+    result = batch_scaling.main([ngram, suffix, "--prompts", prompts, "--batches", "1", "6", "--lengths", "2", "9",
+                                 "--out", str(out)])
+    by = {(c["method"], c["batch"]): c for c in result["cells"]}
+    assert set(by) == {(m, b) for m in ("AR", "ngram", "suffix") for b in (1, 6)}
+    assert all(c["same_as_ar"] == [6, 6] for (m, _), c in by.items() if m != "AR")
+    assert by[("AR", 1)]["idle_fraction"] == 0  # a batch of one row never idles
+    assert by[("AR", 6)]["idle_fraction"] > 0.3  # rows asking 2 tokens wait for those asking 9 (EOS aside)
+    data = json.loads((out / "results.json").read_text())
+    first = data["results"]["runs"]["batch_6"]["rows"][0]
+    assert first["prompts"] == 6 and first["dataset"] == "mixed"
+    assert (out / "speedup_vs_batch.png").stat().st_size > 0
+    assert "crossover" in (out / "results.md").read_text()
+    assert batch_scaling.crossover({1: 1.3, 8: 0.9, 16: 1.01, 32: 0.95, 64: 0.9}) == 32
+    assert batch_scaling.crossover({1: 1.3, 64: 1.0}) is None and batch_scaling.crossover({1: 0.9, 4: 0.8}) == 1
+    with pytest.raises(SystemExit):  # a length past the prompts config's max_new_tokens
+        batch_scaling.main([ngram, "--prompts", prompts, "--lengths", "10", "--out", str(out)])
 
 
 def test_report_writes_json_and_markdown_with_provenance(tmp_path):

@@ -13,7 +13,7 @@ from drafters import create_drafter
 from drafters.draft_lm import DraftLMDrafter, DraftLMTreeDrafter
 from specdec.drafter import Draft
 from specdec.engine import speculative_generate
-from specdec.generate import generate
+from specdec.generate import ar_metrics, generate
 from specdec.models.config import tiny_config
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.scheduler import bucket_widths
@@ -241,6 +241,24 @@ def test_max_new_tokens_respected_exactly_when_drafts_run_past_it(max_new):
     out = speculative_generate(target, oracle, PROMPTS, max_new_tokens=max_new)
     assert [len(t) for t in out.tokens] == [max_new] * len(PROMPTS)
     assert out.tokens == generate(target, PROMPTS, max_new_tokens=max_new).tokens
+
+
+def test_a_limit_per_prompt_ends_each_row_there_and_counts_the_idle_row_steps():
+    """`max_new_tokens` per prompt: each row stops at its own limit (AR and speculative alike, outputs equal), and
+    the metrics count the row-steps the batch spent on rows already finished (`idle_fraction`)."""
+    target = peaky_target(6, eos_token_ids=())
+    limits = [3, 11, 1, 7]
+    ar = generate(target, PROMPTS, max_new_tokens=limits)
+    assert [len(t) for t in ar.tokens] == limits
+    assert ar.tokens == [generate(target, [p], max_new_tokens=n).tokens[0] for p, n in zip(PROMPTS, limits)]
+    out = speculative_generate(target, create_drafter("ngram", target, 4), PROMPTS, max_new_tokens=limits)
+    assert out.tokens == ar.tokens
+    m, steps = out.metrics, max(map(len, out.accept_lengths))
+    assert m.row_steps == len(PROMPTS) * steps and m.idle_fraction == pytest.approx(1 - m.rounds / m.row_steps)
+    a = ar_metrics(ar)  # AR: the loop runs 10 steps (the longest row's 11 tokens), rows used 2 + 10 + 0 + 6
+    assert (a.rounds, a.row_steps) == (18, 40) and a.idle_fraction == pytest.approx(1 - 18 / 40)
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate(target, PROMPTS, max_new_tokens=[3, 4])
 
 
 def test_ragged_acceptance_metrics_are_consistent():

@@ -1,0 +1,193 @@
+"""Speculation under load: AR and each drafter at batch 1, 4, 8, 16, 32 and 64 on the same prompts.
+
+    python -m benchmarks.batch_scaling                       # METHODS x BATCH_SIZES on configs/benchmarks/scaling.yaml
+    python -m benchmarks.batch_scaling --smoke               # a check that it runs: 4 prompts, <= 8 tokens, batch 1-4
+    python -m benchmarks.batch_scaling configs/benchmarks/ngram.yaml --batches 1 8 64
+
+The prompts are those of `--prompts` (default configs/benchmarks/scaling.yaml: 16 each of MT-Bench, GSM8K,
+HumanEval and MBPP), as ONE mixed set taken in turn from each source, so every batch mixes them and a batch of all
+of them is one batch. Prompt i asks for lengths[i % len(lengths)] new tokens (`--lengths`), so the rows of a batch
+end at different times (earlier where the model stops at EOS). The methods are the results table's (n-gram, suffix,
+the shipped DSpark 7-node tree, hybrid: configs of configs/benchmarks/, each with the adaptive width) or the configs
+given; every one runs with the prompts config's `data` and `generation.max_new_tokens`, and the overrides given.
+
+For each batch size it runs bench_speculative's comparison (AR and the methods interleaved batch by batch, warm-ups
+untimed, output == AR checked per prompt), and reports per (method, batch): decode tok/s, the speedup over AR, tau,
+the share of loop iterations that skipped the draft, the idle fraction (row-steps spent on rows already finished,
+AR's beside it: what refilling finished rows would win) and how many outputs equal AR's; per method the lowest
+speedup (the floor: 0.97x AR) and the crossover batch, the smallest batch from which on it runs below AR; and
+speedup_vs_batch.png. One process, one sitting: the ratios are comparable only within it (note the load average).
+
+Writes runs/benchmarks/batch_scaling/results.{json,md} and speedup_vs_batch.png (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks import bench_speculative
+from benchmarks.common import DEFAULT_OUT, REPO, Report, load_method_configs, load_text, split_args
+from benchmarks.results_table import CONFIGS, METHODS, check_map_count
+
+BATCH_SIZES = (1, 4, 8, 16, 32, 64)
+PROMPTS = CONFIGS / "scaling.yaml"
+# New tokens per prompt, in turn: with the four sources in turn, five lengths give every source every length.
+LENGTHS = (16, 24, 32, 48, 64)
+FLOOR = 0.97  # never slower: the lowest speedup over AR a method may show at any batch
+SMOKE = {"batches": (1, 2, 4), "lengths": (4, 8), "max_new_tokens": 8, "per_source": 1}
+
+
+def prompt_overrides(prompts_config: str, per_source: int | None = None) -> list[str]:
+    """Overrides that give a method config the prompts config's `data` and `generation.max_new_tokens`
+    (`per_source`: only the first N prompts of each dataset)."""
+    from specdec.config import load_config, to_dict
+
+    cfg = load_config(prompts_config)
+    data = to_dict(cfg.data)
+    if per_source is not None:
+        for d in data["datasets"]:
+            d["limit"], d["per_category"] = per_source, None
+    return [f"data={json.dumps(data)}", f"generation.max_new_tokens={cfg.generation.max_new_tokens}"]
+
+
+def crossover(curve: dict[int, float]) -> int | None:
+    """The smallest batch from which on (every larger batch measured too) the speedup is below 1; None if the
+    largest batch still gains."""
+    out = None
+    for batch in sorted(curve, reverse=True):
+        if not curve[batch] < 1.0:
+            break
+        out = batch
+    return out
+
+
+def cells(result: dict, batch: int, labels: dict[str, str]) -> list[dict]:
+    """One cell per method (AR included) at this batch, from bench_speculative's rows."""
+    rows = result["rows"]
+    ar = next(r for r in rows if r["method"] == bench_speculative.AR)
+    out = []
+    for r in rows:
+        iterations = sum(r["width_rounds"]) if r.get("width_rounds") else None
+        out.append({"method": labels.get(r["method"], r["method"]), "batch": batch, "prompts": r["prompts"],
+                    "tok_s": r["tok_s"], "ar_tok_s": ar["tok_s"], "speedup": r["speedup"], "tau": r["tau"],
+                    "skipped": r["skipped_drafts"] / iterations if iterations else None,
+                    "idle_fraction": r["idle_fraction"], "ar_idle_fraction": ar["idle_fraction"],
+                    "same_as_ar": r["same_as_ar"], "description": r["description"]})
+    return out
+
+
+def _pct(x) -> str:
+    return "-" if x is None or x != x else f"{100 * x:.0f}%"
+
+
+def table(all_cells: list[dict]) -> tuple[list[str], list[list]]:
+    header = ["method", "batch", "tok/s", "speedup vs AR", "tau", "draft skipped", "idle (AR idle)", "= AR"]
+    rows = []
+    for c in all_cells:
+        ar = c["method"] == bench_speculative.AR
+        same = "-" if c["same_as_ar"] is None else "{}/{}".format(*c["same_as_ar"])
+        rows.append([c["method"], c["batch"], f"{c['tok_s']:.1f}", "1.00x" if ar else f"{c['speedup']:.2f}x",
+                     "1.00" if ar else f"{c['tau']:.2f}", "-" if ar else _pct(c["skipped"]),
+                     _pct(c["idle_fraction"]) if ar else f"{_pct(c['idle_fraction'])} ({_pct(c['ar_idle_fraction'])})",
+                     same])
+    return header, rows
+
+
+def summary(all_cells: list[dict]) -> tuple[list[str], list[list], dict]:
+    """Per method: its speedup by batch, the lowest, whether it holds the floor, and the crossover batch."""
+    curves: dict[str, dict[int, float]] = {}
+    for c in all_cells:
+        if c["method"] != bench_speculative.AR:
+            curves.setdefault(c["method"], {})[c["batch"]] = c["speedup"]
+    header = ["method", *(f"B={b}" for b in sorted({c["batch"] for c in all_cells})), "lowest",
+              f">= {FLOOR}x AR", "crossover batch"]
+    rows = []
+    for name, curve in curves.items():
+        low = min(curve.values())
+        cross = crossover(curve)
+        rows.append([name, *(f"{curve[b]:.2f}x" if b in curve else "-" for b in sorted(curve)), f"{low:.2f}x",
+                     "yes" if low >= FLOOR else "NO", "none (gains at the largest batch)" if cross is None else cross])
+    return header, rows, curves
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
+                    help="the methods' experiment configs (default: the results table's METHODS) and overrides "
+                         "applied to every config")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES), help="batch sizes")
+    ap.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
+                    help="new tokens per prompt, in turn (at most the prompts config's generation.max_new_tokens)")
+    ap.add_argument("--prompts", default=str(PROMPTS), help="the config whose data and max_new_tokens every method "
+                                                            "runs with (default configs/benchmarks/scaling.yaml)")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (the speedup is their median)")
+    ap.add_argument("--smoke", action="store_true", help=f"{SMOKE['per_source']} prompt per dataset, lengths "
+                    f"{SMOKE['lengths']}, batches {SMOKE['batches']}: checks that it runs")
+    ap.add_argument("--out", type=Path, help="where results.json, results.md and the plot go "
+                                             "(default runs/benchmarks/batch_scaling)")
+    args = ap.parse_intermixed_args(argv)  # configs and overrides before or after the options
+    paths, overrides = split_args(args.items)
+    if args.smoke:
+        args.batches, args.lengths = list(SMOKE["batches"]), list(SMOKE["lengths"])
+    if any(b < 1 for b in args.batches) or any(n < 1 for n in args.lengths) or args.repeats < 1:
+        ap.error(f"--batches, --lengths and --repeats must be >= 1, got {args.batches}, {args.lengths} and "
+                 f"{args.repeats}")
+    methods = ({Path(p).stem: str(Path(p).resolve()) for p in paths} if paths
+               else {label: str(CONFIGS / name) for label, name in METHODS.items()})
+    labels = {Path(cfg).stem: label for label, cfg in methods.items()}
+    configs = list(methods.values())
+    check_map_count(len(methods))
+    try:
+        shared = prompt_overrides(args.prompts, SMOKE["per_source"] if args.smoke else None)
+        if args.smoke:
+            shared.append(f"generation.max_new_tokens={SMOKE['max_new_tokens']}")
+        overrides = shared + overrides
+        cfg = load_method_configs(configs, overrides)[0][1]  # fail now, not after the first batch size
+    except ValueError as e:
+        ap.error(str(e))
+    if max(args.lengths) > cfg.generation.max_new_tokens:
+        ap.error(f"--lengths asks for up to {max(args.lengths)} new tokens, but generation.max_new_tokens is "
+                 f"{cfg.generation.max_new_tokens}")
+    out = args.out or DEFAULT_OUT / ("batch_scaling_smoke" if args.smoke else "batch_scaling")
+    report = Report(__file__, argv, out, title="Batch scaling")
+    target, drafters, all_cells, results = None, {}, [], {}
+    for batch in args.batches:
+        method_configs = load_method_configs(configs, [*overrides, f"generation.batch_size={batch}"])
+        if target is None:
+            from experiments.build import build_target
+
+            target = build_target(cfg.model, cfg.mesh)
+        print(f"batch {batch}:", flush=True)
+        result = bench_speculative.compare(method_configs, args.repeats, target=target, drafters=drafters,
+                                           mixed=True, lengths=args.lengths)
+        results[f"batch_{batch}"] = result
+        all_cells += cells(result, batch, labels)
+    report.finish()
+    note = (f"{len(args.lengths)} lengths of new tokens in turn ({', '.join(map(str, args.lengths))}; rows end "
+            f"there or at EOS), temperature {cfg.sampling.temperature:g}, {args.repeats} pass(es), load "
+            f"{load_text(report.meta)}; speedup = AR decode time per token / the method's; draft skipped = loop "
+            "iterations that ran a plain decode step; idle = row-steps spent on rows already finished (AR's in "
+            "brackets); = AR: outputs equal to AR's token for token")
+    report.table("Speculative decoding vs AR by batch size", *table(all_cells), note=note)
+    header, rows, curves = summary(all_cells)
+    report.table("Speedup by batch size, the floor and the crossover", header, rows,
+                 note=f"crossover batch: the smallest batch from which on the method runs below AR; floor: "
+                      f"{FLOOR}x AR at every batch")
+    report.table("Methods", ["method", "config", "drafter / policy / scheduler"],
+                 [[label, Path(path).relative_to(REPO) if Path(path).is_relative_to(REPO) else path,
+                   next((c["description"] for c in all_cells if c["method"] == label), "-")]
+                  for label, path in methods.items()], echo=False)
+    report.write({"cells": all_cells, "runs": results, "lengths": args.lengths, "prompts": args.prompts})
+    from experiments.plots import speedup_vs_batch
+
+    plot = speedup_vs_batch(curves, out / "speedup_vs_batch.png", floor=FLOOR,
+                            title=f"speedup over AR by batch size ({report.meta['commit']}, load "
+                                  f"{load_text(report.meta)})")
+    print(f"wrote {plot}", flush=True)
+    return {"cells": all_cells, "summary": rows}
+
+
+if __name__ == "__main__":
+    main()
