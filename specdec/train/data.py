@@ -318,7 +318,7 @@ def build_distill_data(target, prompts: Sequence[PromptRecord], out_dir: str | o
     (prompts, examples, tokens, per-source counts, time, generation throughput and batch utilisation), also
     written to `<out>/summary.json`.
     """
-    import datasets
+    datasets = _datasets()
     import pyarrow as pa
 
     t0 = time.perf_counter()
@@ -579,9 +579,18 @@ def pool_distill_data(parts: Sequence[tuple[str, DistillData]]) -> DistillData:
                        cat("teacher_forced"))
 
 
+def _datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("distillation data is stored with the `datasets` package, which the base install leaves "
+                        "out: pip install -e '.[train]'") from None
+    return datasets
+
+
 def load_distill_data(path: str | os.PathLike, skip_shards: int = 0) -> DistillData:
     """The finished shards of `path` in order, less the first `skip_shards` (already trained on)."""
-    import datasets
+    datasets = _datasets()
 
     out = Path(path)
     if not (out / MANIFEST).is_file():
