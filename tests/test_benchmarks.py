@@ -270,6 +270,26 @@ def test_the_results_table_has_a_row_per_method_and_batch_with_provenance(tmp_pa
         rewrite_readme(readme, "| new |")
 
 
+def test_the_results_table_runs_a_sweep_file(tiny_configs, tmp_path):
+    """A sweep file is one row per run (configs/benchmarks/invariant/: one per policy), --smoke shrinks it, and a
+    run that is not the canonical one leaves the README alone."""
+    from benchmarks import results_table
+
+    ngram, _ = tiny_configs
+    sweep = _write(tmp_path / "policies.yaml", """\
+        base: ngram.yaml
+        grid:
+          verify.policy: [rejection_chain, invariant_chain]
+        """)
+    readme = results_table.README.read_text()
+    got = results_table.main([sweep, "sampling.temperature=0.7", "--batches", "1", "--smoke",
+                              "--out", str(tmp_path / "out")])
+    assert [(c["method"], c["batch"], c["prompts"]) for c in got["cells"]] == [
+        ("policy=rejection_chain", 1, 1), ("policy=invariant_chain", 1, 1)]
+    assert [c["same_as_ar"] for c in got["cells"]] == [None, [1, 1]]
+    assert results_table.README.read_text() == readme
+
+
 def test_the_readme_has_the_results_table_markers():
     from benchmarks.results_table import BEGIN, END, README
 
