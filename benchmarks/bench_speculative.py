@@ -11,7 +11,9 @@ data, generation and sampling (an error names the first key that differs): AR de
 
 Per dataset of `data:` it reports, for AR and each method: tau (bonus token counted), draft acceptance rate, decode
 tok/s, tok/s including prefill, the speedup over AR (AR decode time per token / the method's) and how many
-prompts' output equals AR's token for token (in every pass; meaningful under greedy sampling).
+prompts' output equals AR's token for token (in every pass; counted under greedy sampling and, at any temperature,
+for the policies that commit AR's own sampled tokens: invariant_chain / invariant_tree) and, for each prompt whose
+output differs, the token index where it first differs (in the JSON: `first_divergence`).
 
 What makes the figures trustworthy on a shared machine whose speed drifts by up to ~25% within minutes:
   * AR and the methods are interleaved batch by batch (each batch decoded by AR, then by every method, back to
@@ -94,6 +96,18 @@ def same_as_ar(passes: list[dict], name: str, dataset: str) -> tuple[int, int]:
     return sum(same), len(keys)
 
 
+def first_divergences(passes: list[dict], name: str, dataset: str) -> list[int]:
+    """The token index where a prompt's output first differs from AR's, for each prompt whose output differs
+    (first pass), ascending: where a float near-tie flipped a token, everything after it differs too."""
+    ar, out = _outputs(passes[0][AR][dataset]), _outputs(passes[0][name][dataset])
+    found = []
+    for key, a in ar.items():
+        b = out[key]
+        if a != b:
+            found.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return sorted(found)
+
+
 def summarise(passes: list[dict], methods: list[Method], prompts: Prompts) -> list[dict]:
     """One row per dataset and method (AR first), with the figures the module docstring lists."""
     cfg = methods[0].cfg
@@ -114,10 +128,13 @@ def summarise(passes: list[dict], methods: list[Method], prompts: Prompts) -> li
                 fit = fit_round_costs(calls)  # None unless the adaptive width ran
             except ValueError:
                 fit = None
+            exact = greedy or method.policy.same_tokens_as_ar  # else a sample of AR's law, not AR's sample
             rows.append({**base, "method": method.name, "description": method.description,
                          **_figures(merge(calls), ar), "speedup": float(np.median(by_pass)),
                          "speedup_interval": median_interval(by_pass), "speedup_by_pass": by_pass,
-                         "same_as_ar": [same, n] if greedy else None, "cost_fit": fit})
+                         "same_as_ar": [same, n] if exact else None,
+                         "first_divergence": first_divergences(passes, method.name, dataset) if exact else None,
+                         "cost_fit": fit})
     return rows
 
 

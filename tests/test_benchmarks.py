@@ -209,6 +209,54 @@ def test_batch_scaling_mixes_the_sources_and_reports_speedup_idle_and_crossover(
         batch_scaling.main([ngram, "--prompts", prompts, "--lengths", "10", "--out", str(out)])
 
 
+def test_bench_speculative_counts_ar_equality_at_temperature_for_the_invariant_policies(tiny_configs, tmp_path):
+    """At T > 0 the invariant policies commit AR's own sampled tokens, so "= AR" is counted (every prompt equal,
+    no first divergence); rejection sampling gives a sample of AR's law, not AR's sample: not counted."""
+    from benchmarks import bench_speculative
+
+    ngram, _ = tiny_configs
+    sweep = _write(tmp_path / "policies.yaml", """\
+        base: ngram.yaml
+        grid:
+          verify.policy: [rejection_chain, invariant_chain]
+        """)
+    result = bench_speculative.main([sweep, "sampling.temperature=0.7", "sampling.top_p=0.95",
+                                     "--out", str(tmp_path / "out")])
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["policy=invariant_chain"]["same_as_ar"] == [3, 3]
+    assert rows["policy=invariant_chain"]["first_divergence"] == []
+    assert rows["policy=rejection_chain"]["same_as_ar"] is None
+    assert rows["policy=rejection_chain"]["first_divergence"] is None
+
+
+def test_first_divergences_are_the_first_differing_token_indices():
+    from types import SimpleNamespace
+
+    from benchmarks.bench_speculative import AR, first_divergences
+
+    prompts = [SimpleNamespace(key=k) for k in "abcd"]
+    ar = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [1, 1, 1]]
+    spec = [[1, 2, 9, 9], [5, 6, 7], [8], [0, 1, 1]]  # c: a prefix of AR's (stopped early) differs at its end
+    passes = [{AR: {"d": [(prompts, ar, None)]}, "m": {"d": [(prompts, spec, None)]}}]
+    assert first_divergences(passes, "m", "d") == [0, 1, 2]
+
+
+def test_the_invariant_benchmark_sweeps_load():
+    """configs/benchmarks/invariant/: the cost comparison (each drafter of configs/benchmarks/ under rejection
+    sampling and the invariant policy, at T 0.7 top-p 0.95; DSpark as a tree and a chain) and the divergence
+    count (greedy; invariant sampling by override) load and share the run settings."""
+    folder = Path(__file__).resolve().parents[1] / "configs" / "benchmarks" / "invariant"
+    cost = dict(load_method_configs([str(folder / f"{d}.yaml") for d in ("ngram", "suffix", "dspark", "hybrid")]))
+    assert len(cost) == 10 and {c.verify.policy for c in cost.values()} == {"rejection_chain", "invariant_chain"}
+    assert all(c.sampling.temperature == 0.7 and c.sampling.top_p == 0.95 for c in cost.values())
+    assert cost["dspark_chain__policy=invariant_chain"].drafter.params == {}
+    assert cost["dspark_tree__policy=invariant_chain"].drafter.params == {"tree_top_k": 4, "tree_depth": 3}
+    hot = ["sampling.temperature=0.7", "sampling.top_p=0.95", "verify.policy=invariant_chain"]
+    divergence = dict(load_method_configs([str(folder / "divergence.yaml")], hot))
+    assert set(divergence) == {"ngram", "dspark_tree"}
+    assert all(c.scheduler.kind == "fixed" and c.generation.batch_size == 8 for c in divergence.values())
+
+
 def test_report_writes_json_and_markdown_with_provenance(tmp_path):
     report = Report("benchmarks/bench_x.py", ["--flag", "a b"], tmp_path)
     report.table("Step", ["batch", "ms"], [[1, 2.5], [8, float("nan")]], echo=False)
@@ -252,6 +300,26 @@ def test_the_results_table_has_a_row_per_method_and_batch_with_provenance(tmp_pa
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="results-table"):
         rewrite_readme(readme, "| new |")
+
+
+def test_the_results_table_runs_a_sweep_file(tiny_configs, tmp_path):
+    """A sweep file is one row per run (configs/benchmarks/invariant/: one per policy), --smoke shrinks it, and a
+    run that is not the canonical one leaves the README alone."""
+    from benchmarks import results_table
+
+    ngram, _ = tiny_configs
+    sweep = _write(tmp_path / "policies.yaml", """\
+        base: ngram.yaml
+        grid:
+          verify.policy: [rejection_chain, invariant_chain]
+        """)
+    readme = results_table.README.read_text()
+    got = results_table.main([sweep, "sampling.temperature=0.7", "--batches", "1", "--smoke",
+                              "--out", str(tmp_path / "out")])
+    assert [(c["method"], c["batch"], c["prompts"]) for c in got["cells"]] == [
+        ("policy=rejection_chain", 1, 1), ("policy=invariant_chain", 1, 1)]
+    assert [c["same_as_ar"] for c in got["cells"]] == [None, [1, 1]]
+    assert results_table.README.read_text() == readme
 
 
 def test_the_readme_has_the_results_table_markers():

@@ -41,6 +41,9 @@ class Policy:
     options: tuple[tuple[str, float], ...] = ()  # keyword arguments of `impl`, sorted; the defaults name all it takes
     # A chain policy's tree policy with the same acceptance rule: what a chain policy runs as on a tree drafter.
     tree_counterpart: str | None = None
+    # True: commits AR's very tokens for the same seed at every temperature, not only a sample of AR's law, so
+    # speculative output == AR output is a check that can fail at temperature > 0 too (benchmarks count it).
+    same_tokens_as_ar: bool = False
 
     def with_options(self, **options: float) -> Policy:
         """This policy with `options` overriding its defaults. An option it does not take is an error, never

@@ -53,5 +53,6 @@ def invariant_tree(draft: Draft, target_logits: jax.Array, sampling: SamplingPar
 
 
 INVARIANT_CHAIN = Policy("invariant_chain", lossless=True, supports_trees=False, greedy_only=False,
-                         impl=invariant_chain, tree_counterpart="invariant_tree")
-INVARIANT_TREE = Policy("invariant_tree", lossless=True, supports_trees=True, greedy_only=False, impl=invariant_tree)
+                         impl=invariant_chain, tree_counterpart="invariant_tree", same_tokens_as_ar=True)
+INVARIANT_TREE = Policy("invariant_tree", lossless=True, supports_trees=True, greedy_only=False, impl=invariant_tree,
+                        same_tokens_as_ar=True)
