@@ -164,6 +164,8 @@ def main(argv=None) -> dict:
                                            mixed=True, lengths=args.lengths)
         results[f"batch_{batch}"] = result
         all_cells += cells(result, batch, labels)
+        out.mkdir(parents=True, exist_ok=True)  # each batch's cells as it ends: a run killed later keeps them
+        (out / "cells_so_far.json").write_text(json.dumps(all_cells, indent=1, default=str))
     report.finish()
     note = (f"{len(args.lengths)} lengths of new tokens in turn ({', '.join(map(str, args.lengths))}; rows end "
             f"there or at EOS), temperature {cfg.sampling.temperature:g}, {args.repeats} pass(es), load "
