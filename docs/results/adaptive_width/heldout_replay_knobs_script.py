@@ -37,11 +37,11 @@ def heldout():
 
 
 C0 = 0.0245
-COSTS = {  # (round cost per verify width, draft cost): the session-41 VM's ratios (docs/results/session41)
+COSTS = {  # (round cost per verify width, draft cost): ratios recorded on a 2-core VM of this kind
     ("ngram", 1): ((C0, C0 * 1.20, C0 * 1.21, C0 * 1.35), 1.6e-6),
     ("hybrid", 1): ((0.0245, 0.031115, 0.032095, 0.037485), 0.00392),
     ("suffix", 1): ((C0, C0 * 1.20, C0 * 1.21, C0 * 1.46, C0 * 1.50), 0.0025),
-    ("ngram", 8): ((0.0521, 0.0602, 0.0953, 0.1264), 5.5e-6),  # session 23's batch-8 profile
+    ("ngram", 8): ((0.0521, 0.0602, 0.0953, 0.1264), 5.5e-6),  # a recorded batch-8 profile
 }
 
 OFF_EXPLORE = {"explore_every": 100000, "explore_max": 100000, "explore_budget": 0.0}
