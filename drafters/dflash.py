@@ -681,8 +681,8 @@ class DFlashDrafter(Drafter):
         removed and renormalised, and that is the q it carries: multidraft_tree's recursive rejection test
         then stays exact (Sequoia's sampling without replacement; after a rejection the residual is already
         0 at the rejected token, so no draw is wasted on it). Where q has fewer than r + 1 tokens (top-k /
-        top-p), the rank-r child and its subtree are invalid. At temperature 1 with 7 nodes (the session-30
-        shipped DSpark) it measured mean engine tau 1.57 against the top-k tree's 1.48 and the chain's 1.47 (a
+        top-p), the rank-r child and its subtree are invalid. At temperature 1 with 7 nodes (a DSpark
+        shipped earlier) it measured mean engine tau 1.57 against the top-k tree's 1.48 and the chain's 1.47 (a
         deeper spine, accept 0.65 at depth 4: also 1.57). On tests/test_dspark.py's two-phrase language the top-k
         tree wins (6.99 against this shape's 4.70 and the dynamic sampled tree's 6.10, means of 3 seeds): a shape
         that follows the scores reaches into both phrases, a fixed one cannot (docs/TRAINING.md)."""
