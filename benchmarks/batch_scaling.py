@@ -29,7 +29,7 @@ from pathlib import Path
 
 from benchmarks import bench_speculative
 from benchmarks.common import DEFAULT_OUT, REPO, Report, load_method_configs, load_text, split_args
-from benchmarks.results_table import CONFIGS, METHODS, check_map_count
+from benchmarks.results_table import CONFIGS, check_map_count, method_paths
 
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 PROMPTS = CONFIGS / "scaling.yaml"
@@ -134,8 +134,7 @@ def main(argv=None) -> dict:
     if any(b < 1 for b in args.batches) or any(n < 1 for n in args.lengths) or args.repeats < 1:
         ap.error(f"--batches, --lengths and --repeats must be >= 1, got {args.batches}, {args.lengths} and "
                  f"{args.repeats}")
-    methods = ({Path(p).stem: str(Path(p).resolve()) for p in paths} if paths
-               else {label: str(CONFIGS / name) for label, name in METHODS.items()})
+    methods = method_paths(paths)
     labels = {Path(cfg).stem: label for label, cfg in methods.items()}
     configs = list(methods.values())
     check_map_count(len(methods))

@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import (Report, add_output_arg, build_methods, decode_ar, decode_method, hf_model,
-                               interval_text, load_config_prompts, load_method_configs, median_interval,
-                               run_hf_prompt_lookup, split_args)
+                               interval_text, load_config_prompts, median_interval, method_configs_of,
+                               run_hf_prompt_lookup)
 from experiments.build import build_target
 from specdec.models import registry
 
@@ -128,11 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-llama-cpp", action="store_true")
     add_output_arg(ap, __file__)
     args = ap.parse_args(argv)
-    paths, overrides = split_args(args.items)
-    try:
-        method_configs = load_method_configs(paths, overrides)
-    except ValueError as e:
-        ap.error(str(e))
+    method_configs = method_configs_of(ap, args.items)
     cfg = method_configs[0][1]
     if cfg.generation.batch_size != 1 or cfg.sampling.temperature != 0:
         ap.error("the peers decode greedily at batch 1: set generation.batch_size=1 and sampling.temperature=0")

@@ -36,7 +36,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import Report, add_output_arg, build_methods, load_method_configs, split_args
+from benchmarks.common import Report, add_output_arg, build_methods, method_configs_of
 from specdec.costs import ForcedWidths, forced
 from specdec.drafter import CATCH_UP
 from specdec.engine import LoopProbe, LoopSpec, catch_up, host_plain_rounds, start
@@ -166,11 +166,7 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.prompt_len < 1:
         ap.error(f"--prompt-len must be >= 1, got {args.prompt_len}")
-    paths, overrides = split_args(args.items)
-    try:
-        method_configs = load_method_configs(paths, overrides)
-    except ValueError as e:
-        ap.error(str(e))
+    method_configs = method_configs_of(ap, args.items)
     from experiments.build import build_target
 
     report = Report(__file__, argv, args.out)

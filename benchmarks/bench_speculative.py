@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 
 from benchmarks.common import (Method, Prompts, Report, add_output_arg, build_methods, decode_ar, decode_method,
-                               interval_text, load_config_prompts, load_method_configs, median_interval, split_args)
+                               interval_text, load_config_prompts, median_interval, method_configs_of)
 from benchmarks.cost_fit import fit_line, fit_round_costs
 from specdec.metrics import DecodeMetrics, merge, speedup
 
@@ -202,11 +202,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    paths, overrides = split_args(args.items)
-    try:
-        method_configs = load_method_configs(paths, overrides)
-    except ValueError as e:
-        ap.error(str(e))
+    method_configs = method_configs_of(ap, args.items)
     report = Report(__file__, argv, args.out)
     result = compare(method_configs, args.repeats)
     report.finish()

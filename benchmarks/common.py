@@ -295,6 +295,16 @@ def load_method_configs(paths: Sequence[str], overrides: Sequence[str] = ()) -> 
     return methods
 
 
+def method_configs_of(ap, items: Sequence[str]) -> list[tuple[str, Any]]:
+    """`load_method_configs` of a benchmark's command-line positionals (`split_args`); a bad config is the
+    parser's error (exit status 2, the reason printed)."""
+    paths, overrides = split_args(items)
+    try:
+        return load_method_configs(paths, overrides)
+    except ValueError as e:
+        ap.error(str(e))
+
+
 def _flatten(value, prefix: str = "") -> dict[str, Any]:
     if isinstance(value, dict):
         out = {}

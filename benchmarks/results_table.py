@@ -102,6 +102,12 @@ def rewrite_readme(readme: Path, block: str) -> None:
     print(f"rewrote the results table in {readme}", flush=True)
 
 
+def method_paths(paths) -> dict[str, str]:
+    """{label: config path} of the compared methods: the configs given (labelled by their stems), else METHODS."""
+    return ({Path(p).stem: str(Path(p).resolve()) for p in paths} if paths
+            else {label: str(CONFIGS / name) for label, name in METHODS.items()})
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
@@ -118,8 +124,7 @@ def main(argv=None) -> dict:
         ap.error(f"--batches and --repeats must be >= 1, got {args.batches} and {args.repeats}")
     canonical = (not paths and not overrides and not args.smoke and args.out is None
                  and tuple(args.batches) == BATCH_SIZES and args.repeats == 1)
-    methods = ({Path(p).stem: str(Path(p).resolve()) for p in paths} if paths
-               else {label: str(CONFIGS / name) for label, name in METHODS.items()})
+    methods = method_paths(paths)
     table = {"methods": methods, "batch_sizes": args.batches, "repeats": args.repeats}
     try:
         labels = {Path(cfg).stem: label for label, cfg in table["methods"].items()}
