@@ -37,11 +37,10 @@ import jax
 import numpy as np
 
 from benchmarks.common import Report, add_output_arg, build_methods, method_configs_of
-from specdec.costs import ForcedWidths, forced
+from specdec.costs import forced
 from specdec.drafter import CATCH_UP
-from specdec.engine import LoopProbe, LoopSpec, catch_up, host_plain_rounds, start
-from specdec.generate import _generate, ar_metrics, cache_capacity, pad_prompts
-from specdec.verify import get_policy
+from specdec.engine import LoopProbe, LoopSpec, catch_up, host_plain_rounds, loop_setup, start
+from specdec.generate import _generate, ar_metrics
 
 HEADER = ["drafter", "B", "AR step ms", "plain round ms", "plain / AR", "catch-up (16 tokens) ms", "catch-up in AR steps",
           "width-0 iteration / AR", "widest round / AR", "verify widths"]
@@ -65,25 +64,20 @@ class Loop:
 
 
 def build_loop(target, method, cfg, prompt_len: int) -> Loop:
-    """The loop `speculative_generate` would run for `method` (its spec, built the same way), on random prompts."""
+    """The loop `speculative_generate` would run for `method` (its spec from the same `loop_setup`), on random
+    prompts."""
     scheduler = method.scheduler
     if not scheduler.measured_in_loop:
         raise ValueError(f"{method.name}: scheduler.kind is {cfg.scheduler.kind!r}; this benchmark measures the "
                          "adaptive width's plain rounds: set scheduler.kind: adaptive")
     drafter = method.drafter
-    n = drafter.num_draft_tokens
-    scheduler = ForcedWidths(scheduler)
-    widths = scheduler.verify_widths(n, cfg.verify.buckets)
-    policy = method.policy if not isinstance(method.policy, str) else get_policy(method.policy)
-    spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=policy,
-                    sampling=cfg.sampling.to_params(), eos_ids=(), scheduler=scheduler,  # every round runs its course
-                    verify_widths=widths)
-    batch = cfg.generation.batch_size
-    tokens, lengths = pad_prompts([[1] * prompt_len] * batch, 0)
-    capacity = cache_capacity(lengths, cfg.generation.max_new_tokens, extra=n + 1)
+    spec, tokens, lengths, _, capacity = loop_setup(
+        target, drafter, [[1] * prompt_len] * cfg.generation.batch_size, method.policy,
+        cfg.generation.max_new_tokens, cfg.sampling.to_params(), None, scheduler, cfg.verify.buckets)
+    spec = dataclasses.replace(spec, eos_ids=())  # every round runs its course
     compiled = drafter.jittable if method.compiled is None else method.compiled
     probe = LoopProbe(spec, target, tokens, lengths, capacity, compiled)
-    return Loop(spec, probe, (np.ones(len(widths)), 0.0))
+    return Loop(spec, probe, (np.ones(len(spec.verify_widths)), 0.0))
 
 
 def ar_step(target, loop: Loop, max_new_tokens: int) -> float:

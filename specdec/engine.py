@@ -457,6 +457,35 @@ class SpecOutput:
     accept_lengths: list[list[int]] = dataclasses.field(default_factory=list)
 
 
+def loop_setup(target: Target, drafter: Drafter, prompts, policy, max_new_tokens, sampling: SamplingParams,
+               max_seq_len, scheduler, verify_buckets):
+    """What a speculative decoding call starts from: (the LoopSpec, the padded prompts [B, T], their lengths [B],
+    each row's limit of new tokens [B], the cache capacity). The policy and the scheduler (default `FixedWidth`) are
+    checked against the drafter; a scheduler that measures its round costs in the loop is wrapped in `ForcedWidths`,
+    so they are timed in the very program that runs."""
+    pol = get_policy(policy) if isinstance(policy, str) else policy
+    if drafter.kind == "tree" and not pol.supports_trees:
+        raise ValueError(f"policy {pol.name!r} verifies chains only, but drafter {drafter.name!r} proposes trees; "
+                         "use greedy_tree, multidraft_tree or typical")
+    scheduler = FixedWidth() if scheduler is None else scheduler
+    if scheduler.needs_confidence:
+        if drafter.kind != "chain" or not drafter.has_confidence:
+            raise ValueError(f"scheduler {scheduler.kind!r} needs a chain drafter with draft confidences "
+                             f"(dflash, dspark); drafter {drafter.name!r} has none")
+    prompts = [list(p) for p in prompts]
+    max_new, limits = row_limits(max_new_tokens, len(prompts))
+    n = drafter.num_draft_tokens
+    check_fits([len(p) for p in prompts], max_new, context_limit(target, max_seq_len), extra=n + 1)
+    if scheduler.measured_in_loop:
+        scheduler = ForcedWidths(scheduler)
+    spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
+                    eos_ids=tuple(target.eos_token_ids), scheduler=scheduler,
+                    verify_widths=scheduler.verify_widths(n, verify_buckets))
+    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
+    tokens, lengths = pad_prompts(prompts, pad)
+    return spec, tokens, lengths, limits, cache_capacity(lengths, max_new, extra=n + 1)
+
+
 def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
                          policy: str | Policy = "greedy_chain", max_new_tokens: int | Sequence[int] = 64,
                          sampling: SamplingParams = GREEDY, seed: int = 0, compiled: bool | None = None,
@@ -480,33 +509,15 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
     `warmup=True` first runs the same compiled programs for one round (untimed), so the reported times
     exclude compilation.
     """
-    pol = get_policy(policy) if isinstance(policy, str) else policy
-    if drafter.kind == "tree" and not pol.supports_trees:
-        raise ValueError(f"policy {pol.name!r} verifies chains only, but drafter {drafter.name!r} proposes trees; "
-                         "use greedy_tree, multidraft_tree or typical")
-    scheduler = FixedWidth() if scheduler is None else scheduler
-    if scheduler.needs_confidence:
-        if drafter.kind != "chain" or not drafter.has_confidence:
-            raise ValueError(f"scheduler {scheduler.kind!r} needs a chain drafter with draft confidences "
-                             f"(dflash, dspark); drafter {drafter.name!r} has none")
     compiled = drafter.jittable if compiled is None else compiled
     if compiled and on_round is not None:
         raise ValueError("on_round needs the host-stepped loop: pass compiled=False")
     if compiled and not drafter.jittable:
         raise ValueError(f"drafter {drafter.name!r} keeps Python state and cannot run in the compiled loop")
-    prompts = [list(p) for p in prompts]
-    max_new_tokens, limits = row_limits(max_new_tokens, len(prompts))
-    n = drafter.num_draft_tokens
-    check_fits([len(p) for p in prompts], max_new_tokens, context_limit(target, max_seq_len), extra=n + 1)
-    forcing = scheduler.measured_in_loop
-    if forcing:  # its round costs are timed in this loop: one compiled program for both
-        scheduler = ForcedWidths(scheduler)
-    widths = scheduler.verify_widths(n, verify_buckets)
-    spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
-                    eos_ids=tuple(target.eos_token_ids), scheduler=scheduler, verify_widths=widths)
-    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
-    tokens, lengths = pad_prompts(prompts, pad)
-    capacity = cache_capacity(lengths, max_new_tokens, extra=n + 1)
+    forcing = scheduler is not None and scheduler.measured_in_loop  # its round costs are timed in this loop
+    spec, tokens, lengths, limits, capacity = loop_setup(target, drafter, prompts, policy, max_new_tokens, sampling,
+                                                         max_seq_len, scheduler, verify_buckets)
+    scheduler, widths, n = spec.scheduler, spec.verify_widths, drafter.num_draft_tokens
 
     probe = LoopProbe(spec, target, tokens, lengths, capacity, compiled)
     measured = scheduler.prepare(probe)
@@ -530,8 +541,6 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
                 sched_state=fresh_state())
 
 
-
-
 def generate_refilled(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, batch_size: int,
                       refill_rows: int = 1, policy: str | Policy = "greedy_chain",
                       max_new_tokens: int | Sequence[int] = 64, sampling: SamplingParams = GREEDY, seed: int = 0,
@@ -549,27 +558,18 @@ def generate_refilled(target: Target, drafter: Drafter, prompts: Sequence[Sequen
     AR's per prompt; the outputs come back in prompt order. Drafters with Python state (`jittable = False`) are
     refused: their per-row state lives outside the loop's arrays. `scheduler.objective: throughput` values a round
     by the tokens it commits over the rows, the objective of a batch that refills its rows."""
-    pol = get_policy(policy) if isinstance(policy, str) else policy
     if not drafter.jittable:
         raise ValueError(f"generate_refilled refills rows of the compiled loop; drafter {drafter.name!r} keeps "
                          "Python state per row (use speculative_generate)")
     if batch_size < 1 or not 1 <= refill_rows <= batch_size:
         raise ValueError(f"batch_size must be >= 1 and refill_rows in [1, batch_size], got {batch_size} and "
                          f"{refill_rows}")
-    scheduler = FixedWidth() if scheduler is None else scheduler
-    prompts = [list(p) for p in prompts]
-    max_new, limits = row_limits(max_new_tokens, len(prompts))
-    n = drafter.num_draft_tokens
-    check_fits([len(p) for p in prompts], max_new, context_limit(target, max_seq_len), extra=n + 1)
-    if scheduler.measured_in_loop:
-        scheduler = ForcedWidths(scheduler)
-    widths = scheduler.verify_widths(n, verify_buckets)
-    spec = LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=pol, sampling=sampling,
-                    eos_ids=tuple(target.eos_token_ids), scheduler=scheduler, verify_widths=widths)
-    pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
-    all_tokens, all_lengths = pad_prompts(prompts, pad)  # one prompt width for every insert
-    capacity = cache_capacity(all_lengths, max_new, extra=n + 1)
-    batch = min(batch_size, len(prompts))
+    # one prompt width and one cache capacity for every insert
+    spec, all_tokens, all_lengths, limits, capacity = loop_setup(target, drafter, prompts, policy, max_new_tokens,
+                                                                 sampling, max_seq_len, scheduler, verify_buckets)
+    scheduler, n = spec.scheduler, drafter.num_draft_tokens
+    num_prompts = len(all_lengths)
+    batch = min(batch_size, num_prompts)
     measured = scheduler.prepare(LoopProbe(spec, target, all_tokens[:batch], all_lengths[:batch], capacity, True))
 
     def fresh(index):  # the started state of prompts `index` (padded with copies of the last to `len(index)`)
@@ -604,14 +604,14 @@ def generate_refilled(target: Target, drafter: Drafter, prompts: Sequence[Sequen
                 holder[row] = -1
             if holder[row] < 0:
                 free.append(row)
-        if queue >= len(prompts):
+        if queue >= num_prompts:
             if all(h < 0 for h in holder):
                 break
             state = dataclasses.replace(state, stop_at=jnp.asarray(batch, jnp.int32))  # drain
             continue
         t0 = time.perf_counter()
-        while free and queue < len(prompts):
-            take = list(range(queue, min(queue + refill_rows, queue + len(free), len(prompts))))
+        while free and queue < num_prompts:
+            take = list(range(queue, min(queue + refill_rows, queue + len(free), num_prompts)))
             index = np.asarray(take + [take[-1]] * (refill_rows - len(take)))
             slots = np.asarray(free[:len(take)] + [batch] * (refill_rows - len(take)), np.int32)  # batch: dropped
             state = _insert(axes, state, fresh(index), jnp.asarray(slots))
@@ -621,7 +621,7 @@ def generate_refilled(target: Target, drafter: Drafter, prompts: Sequence[Sequen
         jax.block_until_ready(state)
         prefill_s += time.perf_counter() - t0
 
-    order = range(len(prompts))
+    order = range(num_prompts)
     tokens = [rows_out[i][0] for i in order]
     accept_lengths = [rows_out[i][1] for i in order]
     pos_proposed, pos_accepted, pos_eligible = map(to_host, (state.position_proposed, state.position_accepted,
@@ -631,7 +631,7 @@ def generate_refilled(target: Target, drafter: Drafter, prompts: Sequence[Sequen
         accepted_draft_tokens=sum(rows_out[i][2] for i in order), proposed_draft_tokens=sum(rows_out[i][3]
                                                                                             for i in order),
         prefill_seconds=prefill_s, decode_seconds=decode_s, position_proposed=pos_proposed.tolist(),
-        position_accepted=pos_accepted.tolist(), position_eligible=pos_eligible.tolist(), batch_size=len(prompts),
+        position_accepted=pos_accepted.tolist(), position_eligible=pos_eligible.tolist(), batch_size=num_prompts,
         row_steps=batch * steps)
     for name, value in spec.scheduler.metrics(spec, state.sched).items():
         setattr(metrics, name, value)
