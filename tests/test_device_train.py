@@ -122,6 +122,9 @@ def test_study_files_list_jobs_and_refuse_bad_ones(tmp_path):
     single = DT.load_study(str(TINY))
     assert [j["run"] for j in single["jobs"]] == ["data", "train"] and single["bring_back"] is None
     bad = tmp_path / "bad.yaml"
+    bad.write_text(f"jobs: [{{run: train, config: {TINY}, set: [output.name=a]}}]\nbring_back: [b]\n")
+    with pytest.raises(DT.DeviceTrainError, match="bring_back names b, which no train job writes \\(a\\)"):
+        DT.pack(str(bad), tmp_path / "pack", wheels=False)  # before anything is packed
     for text, message in [("jobs: []", "non-empty list"), ("jobs: [{run: eval, config: x.yaml}]", "job 0 must be"),
                           ("jobs: [{run: train, config: x.yaml, steps: 3}]", "unknown key"),
                           ("jobs: [{run: train, config: x.yaml, set: a=b}]", "list of key=value")]:

@@ -240,6 +240,12 @@ def pack(config: str = DEFAULT_CONFIG, out: Path = REPO / PACK_DIR, *, model_fil
         raise DeviceTrainError(f"{config}: the jobs use several models ({sorted({c.model.name for c in cfgs})}); "
                                "a pack carries one")
     cfg = cfgs[0]
+    outputs = [c.output.name or Path(job["config"]).stem
+               for c, job in zip(cfgs, study["jobs"]) if job["run"] == "train"]
+    unknown = [name for name in study["bring_back"] or () if name not in outputs]
+    if unknown:  # here, not after the device call has run every job
+        raise DeviceTrainError(f"{config}: bring_back names {', '.join(unknown)}, which no train job writes "
+                               f"({', '.join(outputs)})")
     model = Path(model_file) if model_file else registry.resolve(cfg.model.name)
     if not str(model).endswith(".gguf"):
         raise DeviceTrainError(f"model {cfg.model.name!r} is not a GGUF file ({model}): the device path carries one")
@@ -495,8 +501,9 @@ def device(args) -> int:
         defaults = {"data": args.data_seconds, "train": args.train_seconds}
         ran_file = stage / "jobs_ran.json"  # jobs an earlier call started
         ran = set(json.loads(ran_file.read_text())) if ran_file.is_file() else set()
-        for i, job in enumerate(study["jobs"]):
-            paths = _job_paths(job, sets, env, workdir)
+        # where each job writes: read once (each read is a Python process with the config system)
+        job_paths = [_job_paths(job, sets, env, workdir) for job in study["jobs"]]
+        for i, (job, paths) in enumerate(zip(study["jobs"], job_paths)):
             record = {"job": i, "run": job["run"], "config": job["config"], "name": paths["name"]}
             manifest["jobs"].append(record)
             if _finished(job, paths, i in ran):
@@ -513,8 +520,9 @@ def device(args) -> int:
                 continue
             ran.add(i)
             ran_file.write_text(json.dumps(sorted(ran)))
+            # the target's answers at full float32 precision, as on the CPU
             job_env = {**env, "JAX_DEFAULT_MATMUL_PRECISION": "highest"} if job["run"] == "data" else env
-            t_job = time.monotonic()  # the target's answers at full float32 precision, as on the CPU
+            t_job = time.monotonic()
             rc = Job([*cli, job["run"], str(REPO / job["config"]), f"{job['run']}.max_seconds={seconds:.0f}",
                       *job["set"], *sets, "--no-progress"], job_env, log, min(t_job + seconds + 180, deadline - 45),
                      cwd=workdir).run()
@@ -531,16 +539,12 @@ def device(args) -> int:
                 f"{record['wall_seconds']} s")
         manifest["reached"] = "jobs"
 
-        train_jobs = {p["name"]: p for p in (_job_paths(j, sets, env, workdir) for j in study["jobs"]
-                                             if j["run"] == "train")}
+        train_jobs = {p["name"]: p for j, p in zip(study["jobs"], job_paths) if j["run"] == "train"}
         wanted = study["bring_back"] if study["bring_back"] is not None else list(train_jobs)[-1:]
         done_file = stage / "brought_back.json"  # drafters an earlier call already brought back
         done = json.loads(done_file.read_text()) if done_file.is_file() else []
         room = BRING_BACK_BYTES
-        for name in wanted:
-            if name not in train_jobs:
-                raise DeviceTrainError(f"bring_back names {name!r}, which no train job writes "
-                                       f"({', '.join(train_jobs)})")
+        for name in wanted:  # each a train job's output name (`pack` checked)
             if name in done or not _finished({"run": "train"}, train_jobs[name]):
                 continue
             dest = stage / "drafters" / name
