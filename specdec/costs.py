@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec.drafter import Drafter
-from specdec.generate import CAPACITY_BUCKET
 from specdec.scheduler import Scheduler
 
 COST_FILE = "round_costs.json"
@@ -177,7 +176,7 @@ def cost_key(target, drafter, policy: str, sampling, batch: int, capacity: int, 
     code = _code_version("specdec.models.transformer", "specdec.engine", "specdec.adaptive", __name__,
                          *_drafter_modules(drafter))
     return (f"{_machine()}|{target.cfg.name}|{backend}|{draft}|{policy}|{mode}|B={batch}|"
-            f"S={-(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET}|W={list(widths)}|code={code}")
+            f"S={capacity}|W={list(widths)}|code={code}")
 
 
 def default_cost_path() -> Path:

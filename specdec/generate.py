@@ -27,10 +27,12 @@ if TYPE_CHECKING:
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this, so a few compiled prefill shapes serve all
 # Cache capacities are rounded up to a multiple of this: every compiled decode or speculative loop is specialised
 # to its capacity (a speculative loop takes tens of seconds to compile on a 2-core CPU), so prompts of different
-# lengths share one program per bucket. The adaptive width's measured round costs are cached per bucket too
-# (specdec/costs.py). Slots beyond a row's length cost one masked attention read each: ~0.5% of a SmolLM2-135M step
-# per 64 slots at batch 1.
+# lengths share one program per bucket. Slots beyond a row's length still cost a masked attention read each:
+# ~0.5% of a SmolLM2-135M step per 64 slots at batch 1, but ~7% at batch 8 (docs/results/plain_round/batch8_*).
 CAPACITY_BUCKET = 256
+# A speculative loop's draft slack (`cache_capacity`'s `extra`) is rounded up to a multiple of this, not to a
+# bucket: 8 divides it, as the megakernel's KV tiles need (specdec/kernels/schedule.py `kv_tile_for`).
+SLACK_ALIGN = 16
 # The EOS id set used when a model has none (AR and speculative loops alike): no token id is negative, and -1 is
 # the padding of verify results and output buffers, so -2 can never match a token.
 NO_EOS = -2
@@ -84,10 +86,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: int = PRO
 
 def cache_capacity(prompt_lengths: Sequence[int], max_new_tokens: int, extra: int = 0,
                    bucket: int = CAPACITY_BUCKET) -> int:
-    """Cache slots needed: the padded prompt width is written in prefill, then new tokens (+ draft slack)."""
+    """Cache slots needed: the padded prompt width is written in prefill, then the new tokens, rounded up to a
+    bucket; then `extra` slots (a speculative loop's slack: its verify writes up to N + 1 positions past the last
+    committed one) rounded up to SLACK_ALIGN only. Adding the slack after the bucket keeps the speculative loop's
+    cache AR's plus a few slots: rounded together, a slack that crossed a bucket doubled the cache (512 slots
+    against AR's 256), and at batch 8 a round that verifies nothing then cost 1.30x AR's step instead of 0.97x
+    (docs/results/plain_round/batch8_prompt190 against batch8_prompt150)."""
     padded = -(-max(prompt_lengths) // PROMPT_BUCKET) * PROMPT_BUCKET
-    need = max(padded, max(prompt_lengths) + max_new_tokens + extra + 1)
-    return int(-(-need // bucket) * bucket)
+    need = max(padded, max(prompt_lengths) + max_new_tokens + 1)
+    return int(-(-need // bucket) * bucket + -(-extra // SLACK_ALIGN) * SLACK_ALIGN)
 
 
 @functools.partial(jax.jit, static_argnames=("forward", "cfg", "taps"), donate_argnames=("cache",))

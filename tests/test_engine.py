@@ -483,3 +483,24 @@ def test_prefill_runs_each_distinct_prompt_once(backend, monkeypatch):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(got[2].lengths), [4, 3, 4, 4, 4, 3])
+
+
+def test_speculative_cache_is_ar_cache_plus_its_slack():
+    """The speculative loop's cache is AR's (the bucketed prompt + new tokens) plus the draft slack rounded to
+    SLACK_ALIGN, never a whole bucket more: attention reads every slot, and at batch 8 a slack that doubled the
+    cache (512 slots against AR's 256) made a round that verifies nothing cost 1.30x AR's step."""
+    from specdec import engine
+    from specdec.generate import CAPACITY_BUCKET, SLACK_ALIGN, cache_capacity
+
+    for prompt in (1, 100, 190, 191, 250, 400):
+        ar = cache_capacity([prompt, 5], 64)
+        assert ar % CAPACITY_BUCKET == 0 and ar >= prompt + 64 + 1
+        for n in (1, 7, 8, 15, 16):
+            spec = cache_capacity([prompt, 5], 64, extra=n + 1)
+            assert spec >= prompt + 64 + 1 + n + 1  # the last verify writes N + 1 slots past the last token
+            assert spec - ar == -(-(n + 1) // SLACK_ALIGN) * SLACK_ALIGN and spec % 8 == 0
+    target = peaky_target(3, eos_token_ids=())
+    drafter = create_drafter("ngram", target, 7)
+    prompt = [[1 + i % 50 for i in range(190)]]
+    *_, capacity = engine.loop_setup(target, drafter, prompt, "greedy_chain", 64, GREEDY, None, None, "none")
+    assert capacity == cache_capacity([190], 64) + SLACK_ALIGN == CAPACITY_BUCKET + SLACK_ALIGN
