@@ -13,7 +13,8 @@ weights' source and (from a checkpoint) the examples seen at that step. The run'
 it, and its summary.json with the final weights (an export's model card reads them). `--float16` stores the
 weight matrices (parameters of 2 or more dimensions) as float16, which halves the file (the shipped drafter in
 drafters/trained/ is written so); vectors (norm scales, biases) and buffers stay as trained. The drafter upcasts
-on load.
+on load. A snapshot is a full-format drafter (`train.init_from` continues it); what ships is written by
+`specdec export <run> --format inference <out>` (only what decoding reads, docs/TRAINING.md).
 """
 
 from __future__ import annotations
@@ -23,15 +24,7 @@ import json
 import shutil
 from pathlib import Path
 
-import jax
-import numpy as np
-
 from specdec.train import checkpoint as ckpt
-
-
-def halved(params):
-    """Weight matrices (ndim >= 2) as float16; everything else as it is."""
-    return jax.tree.map(lambda x: np.asarray(x, np.float16) if np.ndim(x) >= 2 else x, params)
 
 
 def snapshot(run: Path, out: Path, step: int | None = None, float16: bool = False) -> dict:
@@ -45,7 +38,7 @@ def snapshot(run: Path, out: Path, step: int | None = None, float16: bool = Fals
     out.mkdir(parents=True, exist_ok=True)
     (out / ckpt.DRAFTER_FILE).write_text(json.dumps({"drafter": info["drafter"], "config": info["config"],
                                                      "target": info["target"], "snapshot": snap}, indent=2))
-    params = halved(info["params"]) if float16 else info["params"]
+    params = ckpt.float16_matrices(info["params"]) if float16 else info["params"]
     ckpt.export_params(out, params, info["buffers"], info["step"])
     # the run's config holds at every step; its summary (final eval, steps) only for the final weights
     for name in ("config.yaml", "summary.json") if final else ("config.yaml",):

@@ -54,7 +54,7 @@ from specdec.export.registry import register_architecture
 from specdec.models.config import ModelConfig
 from specdec.sampling import gumbel_noise, probabilities, sample_with_probs
 from specdec.train import tasks as T
-from specdec.train.checkpoint import load_trained
+from specdec.train.checkpoint import load_trained, register_draft_vocab_axes, slice_draft_vocab
 
 NAME = "dflash"
 # Above temperature 0 a block drafter's token tree is sampled (`DFlashDrafter.sample_tree`), its fixed shape drawn
@@ -535,14 +535,21 @@ class DFlashDrafter(Drafter):
             raise ValueError(f"{name}: num_draft_tokens must be in [1, {why}] (the block it was trained with), "
                              f"got {num_draft_tokens}")
 
+    # trained tensors with a target-vocabulary axis that decoding reads at the draft vocabulary's ids only
+    # ({name: axis}; DFlash: none, its head is the target's): cut once at load, and left out of the inference
+    # format's file (specdec.train.checkpoint)
+    draft_vocab_axes: dict[str, int] = {}
+
     @classmethod
     def from_trained(cls, arch, trained, buffers, target, num_draft_tokens, tree_top_k=0, tree_depth=0,
-                     tree_accept=TREE_ACCEPT, tree_sampling=TREE_SAMPLING):
+                     tree_accept=TREE_ACCEPT, tree_sampling=TREE_SAMPLING, cut=()):
+        """`cut`: the `draft_vocab_axes` tensors that come cut already (an inference-format drafter's)."""
         buffers = {k: jnp.asarray(v) for k, v in (buffers or {}).items()}
         dtype = jnp.dtype(target.cfg.jnp_dtype)
         trained, head = jax.tree.map(jnp.asarray, trained), target.output_projection()
         if "d2t" in buffers:  # slice the vocabulary once here, not in every round
-            head, trained = head[:, buffers["d2t"]], cls.restrict_vocab(trained, buffers["d2t"])
+            todo = {name: axis for name, axis in cls.draft_vocab_axes.items() if name not in cut}
+            head, trained = head[:, buffers["d2t"]], slice_draft_vocab(trained, buffers["d2t"], todo)
         # weights narrower than the target's dtype (a shipped float16 drafter) widened once, not in every round
         narrower = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < dtype.itemsize  # noqa: E731
         trained = jax.tree.map(lambda x: x.astype(dtype) if narrower(x) else x, trained)
@@ -551,11 +558,6 @@ class DFlashDrafter(Drafter):
         params = {"params": trained, "embed": jnp.asarray(target.params["embed"]), "head_t": head.T, **buffers}
         return cls(arch, params, num_draft_tokens, tree_top_k=tree_top_k, tree_depth=tree_depth,
                    tree_accept=tree_accept, tree_sampling=tree_sampling)
-
-    @staticmethod
-    def restrict_vocab(trained, d2t):
-        """Trained weights with an output-vocabulary axis cut to the draft vocabulary (DFlash: none)."""
-        return trained
 
     def _write_context(self, params, cache, taps, positions, at):
         """Append the context K/V of taps [n, B, W, H] at RoPE `positions` [B, W], starting at slot `at` [B]."""
@@ -769,6 +771,9 @@ class DFlashDrafter(Drafter):
         return out
 
 
+register_draft_vocab_axes(NAME, DFlashDrafter.draft_vocab_axes)  # what the inference format keeps
+
+
 @register_architecture(NAME)  # what `specdec export` rebuilds the drafter with
 def arch_from_checkpoint(target, config: dict) -> BlockArch:
     return BlockArch.build(target.cfg, num_layers=config["num_layers"], taps=config.get("taps"),
@@ -790,4 +795,5 @@ def make_dflash(target, num_draft_tokens: int, path: str = "", tree_top_k: int =
     info = load_trained(path, NAME, target, "dflash")
     arch = arch_from_checkpoint(target, info["config"])
     return DFlashDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,
-                                      tree_top_k, tree_depth, tree_accept, tree_sampling)
+                                      tree_top_k, tree_depth, tree_accept, tree_sampling,
+                                      cut=tuple(info["draft_vocab_cut"]))

@@ -44,7 +44,7 @@ from specdec.drafter import draft_probs_to_target, draft_to_target
 from specdec.export.registry import register_architecture
 from specdec.sampling import sample_with_probs
 from specdec.train import tasks as T
-from specdec.train.checkpoint import load_trained
+from specdec.train.checkpoint import load_trained, register_draft_vocab_axes
 
 NAME = "dspark"
 TEMPERATURE_GRID = np.exp(np.linspace(np.log(0.1), np.log(10.0), 61))
@@ -212,14 +212,12 @@ class DSparkDrafter(DFlashDrafter):
         super().__init__(arch, params, num_draft_tokens, name=name, tree_top_k=tree_top_k, tree_depth=tree_depth,
                          tree_accept=tree_accept, tree_sampling=tree_sampling)
 
-    def next_logits(self, params, u, prev):
-        return u + markov_bias(params["params"], prev)[0]  # W2 already restricted by `restrict_vocab`
+    # W2's columns are target ids, of which drafting reads the draft vocabulary's (cut once, at load); W1's rows
+    # are the previous token's id, and the root before each block can be any target token: W1 is read whole
+    draft_vocab_axes = {"markov/w2": 1}
 
-    @staticmethod
-    def restrict_vocab(trained, d2t):
-        """The Markov head's W2 cut to the draft vocabulary's columns (once, at load)."""
-        markov = {**trained["markov"], "w2": trained["markov"]["w2"][:, d2t]}
-        return {**trained, "markov": markov}
+    def next_logits(self, params, u, prev):
+        return u + markov_bias(params["params"], prev)[0]  # W2 cut to the draft vocabulary at load
 
     def draw(self, params, hidden, root, sampling, key):
         k = self.num_draft_tokens
@@ -230,7 +228,7 @@ class DSparkDrafter(DFlashDrafter):
 
         def step(prev, inp):  # slot j: the token at offset j, drawn with the target's noise there from its q
             u_j, h_j, j, temp_j = inp
-            bias, e = markov_bias(heads, prev)  # W2 already restricted by `restrict_vocab`
+            bias, e = markov_bias(heads, prev)  # W2 cut to the draft vocabulary at load (`from_trained`)
             ids, q = sample_with_probs(key, u_j + bias, sampling, j, ids=d2t)
             tok = draft_to_target(ids, d2t)
             q = jnp.zeros((), jnp.float32) if q is None else draft_probs_to_target(q, d2t, vocab)
@@ -245,6 +243,7 @@ class DSparkDrafter(DFlashDrafter):
 
 # a DFlash BlockArch (its Markov rank from the config): what `specdec export` rebuilds the drafter with
 register_architecture(NAME)(dflash.arch_from_checkpoint)
+register_draft_vocab_axes(NAME, DSparkDrafter.draft_vocab_axes)  # what the inference format cuts
 
 
 @register(NAME)
@@ -258,4 +257,5 @@ def make_dspark(target, num_draft_tokens: int, path: str = "", tree_top_k: int =
     info = load_trained(path, NAME, target, "dspark")
     arch = dflash.arch_from_checkpoint(target, info["config"])
     return DSparkDrafter.from_trained(arch, info["params"], info["buffers"], target, num_draft_tokens,
-                                      tree_top_k, tree_depth, tree_accept, tree_sampling)
+                                      tree_top_k, tree_depth, tree_accept, tree_sampling,
+                                      cut=tuple(info["draft_vocab_cut"]))

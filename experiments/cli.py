@@ -8,6 +8,7 @@
     specdec data <config.yaml> [k=v ...]    distillation data: the target's responses to the config's prompts
     specdec train <config.yaml> [k=v ...]   train the config's drafter on that data (resumes when interrupted)
     specdec export <run> --format vllm|sglang <out>   the trained drafter in a serving engine's layout
+    specdec export <run> --format inference <out>     ... or with only what decoding reads (what ships)
 """
 
 from __future__ import annotations
@@ -136,15 +137,23 @@ def cmd_generate(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Write a trained drafter in the layout vLLM (speculators) or SGLang (SpecForge) loads (docs/EXPORT.md)."""
+    """Write a trained drafter in the layout vLLM (speculators) or SGLang (SpecForge) loads (docs/EXPORT.md), or
+    as specdec's inference-format drafter directory (only what decoding reads: docs/TRAINING.md)."""
     import drafters
     from experiments.build import build_target
     from specdec.config import load_config
-    from specdec.export import export_run
+    from specdec.export import INFERENCE, export_run
 
     run = Path(args.run_dir)
     if not run.is_dir():
         raise ValueError(f"{run} is not a directory; pass a training run directory (output.dir/output.name)")
+    if args.format == INFERENCE:  # no target needed: the draft vocabulary's ids are the drafter's own d2t
+        drafters.available()  # drafter modules declare what their decoding reads on import
+        out = export_run(run, args.out_dir, INFERENCE, None, overwrite=args.overwrite)
+        print(f"exported {run} in the inference format -> {out}")
+        for f in sorted(out.iterdir()):
+            print(f"  {f.name} ({f.stat().st_size:,} bytes)")
+        return 0
     stored = run / "config.yaml"
     if args.model is None and not stored.is_file():
         raise ValueError(f"{run} has no config.yaml naming its target; pass --model")
@@ -410,11 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the metrics as JSON")
     g.set_defaults(func=cmd_generate)
 
-    e = sub.add_parser("export", help="export a trained drafter for vLLM or SGLang (config.json + safetensors)",
+    e = sub.add_parser("export", help="export a trained drafter for vLLM or SGLang (config.json + safetensors), "
+                                      "or with only what decoding reads (--format inference)",
                        description="Write the trained EAGLE-3, DFlash or DSpark drafter of RUN_DIR into OUT_DIR in "
-                                   "the layout vLLM (speculators) or SGLang loads; see docs/EXPORT.md.")
-    e.add_argument("run_dir", help="training run directory (output.dir/output.name)")
-    e.add_argument("--format", required=True, choices=["vllm", "sglang"])
+                                   "the layout vLLM (speculators) or SGLang loads (docs/EXPORT.md); or, with "
+                                   "--format inference, a DFlash / DSpark drafter directory holding only the "
+                                   "tensors decoding reads, matrices float16: what ships (docs/TRAINING.md).")
+    e.add_argument("run_dir", help="training run directory (output.dir/output.name), or a drafter directory")
+    e.add_argument("--format", required=True, choices=["vllm", "sglang", "inference"])
     e.add_argument("out_dir", help="directory to write (must be empty unless --overwrite)")
     e.add_argument("--model", default=None, help="the target (default: model.name of the run's config.yaml)")
     e.add_argument("-k", "--num-draft-tokens", type=int, default=None,

@@ -1,6 +1,9 @@
 """Export trained drafters to the serving engines' layouts, and import such exports back (docs/EXPORT.md).
 
     specdec export <run dir> --format vllm|sglang <out dir>
+    specdec export <run or drafter dir> --format inference <out dir>   specdec's own drafter directory holding only
+                                                                      what decoding reads (what ships in git;
+                                                                      `checkpoint.export_inference`)
 
 for EAGLE-3 (specdec/export/eagle3.py) and DFlash / DSpark (specdec/export/block.py) writes into <out dir>:
     config.json            the engine's config (speculators `eagle3` / `dflash` / `dspark` for vLLM;
@@ -39,6 +42,7 @@ CONFIG_FILE = ckpt.EXPORT_CONFIG
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = ckpt.EXPORT_META
 EXPORTABLE = ("eagle3", *B.KINDS)
+INFERENCE = ckpt.INFERENCE
 
 
 def verifier_of(target, model_name: str | None = None) -> dict:
@@ -62,13 +66,18 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str,
     """Export the trained drafter of `run_dir` (a training run or any drafter.json + params.npz directory) for
     `target` in `fmt` ("vllm" or "sglang") into `out_dir`. `model_name`: how the run named the target
     (registry name or Hugging Face directory; default: the run's config.yaml) for the verifier field and the
-    tokenizer files. Raises NotRepresentable when the drafter has no exact equivalent in the peer format."""
+    tokenizer files. Raises NotRepresentable when the drafter has no exact equivalent in the peer format.
+    `fmt` "inference": specdec's inference format (`checkpoint.export_inference`; `target` is not read)."""
     import yaml
     from safetensors.numpy import save_file
 
+    if fmt == INFERENCE:
+        return ckpt.export_inference(run_dir, out_dir, overwrite=overwrite)
     E._check_format(fmt)
     run = Path(run_dir)
     info = ckpt.load_drafter(run)
+    # the peer writers index vocabulary tensors by target id; an inference-format drafter holds the read ones
+    info["params"] = ckpt.widen_draft_vocab(info, target.cfg.vocab_size)
     kind = info["drafter"]
     if kind not in EXPORTABLE:
         raise NotRepresentable(f"{run} holds a {kind!r} drafter; export supports {', '.join(EXPORTABLE)}")

@@ -11,12 +11,20 @@ Training run directory (`<output.dir>/<output.name>/`):
 checkpoint: an unfinished run is usable too), any directory holding drafter.json + params.npz, or an EAGLE-3 /
 DFlash / DSpark drafter in the vLLM / SGLang layout (`load_export`; `specdec export` writes them, specdec/export).
 Missing or unreadable checkpoints raise `CheckpointError` with the path and what was found there.
+
+A drafter directory comes in two formats (drafter.json's "format"; absent: "full"):
+    full        every tensor training saved (what `train.init_from` continues from)
+    inference   only what decoding reads (`export_inference`, `specdec export --format inference`): the tensors
+                whose target-vocabulary axis decoding reads at the draft vocabulary's ids only (DSpark's Markov W2)
+                cut to those entries in d2t order ("draft_vocab_cut"), weight matrices float16, and a list of
+                every tensor with its shape and dtype ("tensors") that loading checks. What ships in git.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +34,8 @@ import numpy as np
 DRAFTER_FILE = "drafter.json"
 PARAMS_FILE = "params.npz"
 CHECKPOINTS = "checkpoints"
+FULL, INFERENCE = "full", "inference"  # drafter.json "format"
+COPIED_FILES = ("config.yaml", "summary.json", "README.md")  # what describes a drafter, copied beside its weights
 EXPORT_CONFIG = "config.json"  # an exported drafter directory (specdec/export) has this instead of drafter.json
 EXPORT_META = "specdec_export.json"  # and this, when specdec wrote it: what a re-import needs (format, step, ...)
 
@@ -141,11 +151,149 @@ def export_params(run_dir: str | os.PathLike, params: Any, buffers: Any, step: i
     return path
 
 
+def float16_matrices(params: Any) -> Any:
+    """Weight matrices (ndim >= 2) as float16; vectors (norm scales, biases) and scalars as they are. The drafters
+    widen them once at load (`DFlashDrafter.from_trained`)."""
+    return jax.tree.map(lambda x: np.asarray(x, np.float16) if np.ndim(x) >= 2 else x, params)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The inference format: only what decoding reads
+# ---------------------------------------------------------------------------------------------------------
+
+# Per drafter kind, the trained tensors with a target-vocabulary axis of which decoding reads only the draft
+# vocabulary's entries (the d2t buffer's target ids): {name inside params, e.g. "markov/w2": that axis}. The
+# drafter modules register theirs (specdec never imports drafters/); only registered kinds have an inference
+# format, so the tensors of a kind whose decoding inputs are not declared are never cut blindly.
+_DRAFT_VOCAB_AXES: dict[str, dict[str, int]] = {}
+
+
+def register_draft_vocab_axes(kind: str, axes: dict[str, int]) -> None:
+    _DRAFT_VOCAB_AXES[kind] = dict(axes)
+
+
+def draft_vocab_axes(kind: str) -> dict[str, int]:
+    if kind not in _DRAFT_VOCAB_AXES:
+        known = ", ".join(sorted(_DRAFT_VOCAB_AXES)) or "(none: import drafters first)"
+        raise CheckpointError(f"no inference format for {kind!r} drafters (the kinds that declare what their "
+                              f"decoding reads: {known}); ship such a drafter in the full format")
+    return _DRAFT_VOCAB_AXES[kind]
+
+
+def _leaf(tree: dict, name: str):
+    """The leaf of nested dicts at a flattened name ("markov/w2")."""
+    for key in name.split("/"):
+        if not isinstance(tree, dict) or key not in tree:
+            raise CheckpointError(f"the drafter has no tensor params/{name}")
+        tree = tree[key]
+    return tree
+
+
+def _with_leaf(tree: dict, name: str, value) -> dict:
+    head, _, rest = name.partition("/")
+    return {**tree, head: _with_leaf(tree[head], rest, value) if rest else value}
+
+
+def _along(axis: int, index) -> tuple:
+    return (slice(None),) * axis + (index,)
+
+
+def slice_draft_vocab(params: dict, d2t, axes: dict[str, int]) -> dict:
+    """`params` with each tensor of `axes` ({name: axis}) cut to the draft vocabulary's entries along its axis, in
+    d2t order (draft id i <-> target id d2t[i], the drafters' own map): what decoding reads of it. NumPy or JAX."""
+    for name, axis in axes.items():
+        params = _with_leaf(params, name, _leaf(params, name)[_along(axis, d2t)])
+    return params
+
+
+def widen_draft_vocab(info: dict, vocab_size: int) -> dict:
+    """The params of a `load_drafter` dict with its cut tensors (an inference-format drafter) scattered back to
+    the full vocabulary, zero at the entries decoding never reads: for a writer that indexes them by target id
+    (the vLLM / SGLang export)."""
+    params, d2t = info["params"], np.asarray(info["buffers"].get("d2t"))
+    for name, cut in info["draft_vocab_cut"].items():
+        x = np.asarray(_leaf(params, name))
+        wide = np.zeros(x.shape[:cut["axis"]] + (vocab_size,) + x.shape[cut["axis"] + 1:], x.dtype)
+        wide[_along(cut["axis"], d2t)] = x
+        params = _with_leaf(params, name, wide)
+    return params
+
+
+def tensor_list(params: Any, buffers: Any) -> dict[str, dict]:
+    """{params.npz name: {"shape", "dtype"}} of what `export_params` writes for these trees."""
+    flat = {f"params/{k}": v for k, v in flatten(params).items()}
+    flat.update({f"buffers/{k}": v for k, v in flatten(buffers).items()})
+    return {k: {"shape": list(np.shape(v)), "dtype": str(np.asarray(v).dtype)} for k, v in flat.items()}
+
+
+def export_inference(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write the drafter of `source` (a training run or a drafter directory: `load_drafter`) into `out` in the
+    inference format (module docstring): only the tensors decoding reads, weight matrices float16; a run's
+    checkpoints (optimiser state) are never copied. Its config.yaml, summary.json and README.md are copied
+    beside it. `load_drafter` reads the result; `train.init_from` refuses it when tensors were cut."""
+    src, out = Path(os.path.expanduser(str(source))), Path(os.path.expanduser(str(out)))
+    info = load_drafter(src)
+    kind, d2t = info["drafter"], info["buffers"].get("d2t")
+    axes = draft_vocab_axes(kind)  # raises for a kind that does not declare what its decoding reads
+    done = info["draft_vocab_cut"]  # an inference-format source: cut already
+    todo = {} if d2t is None else {n: a for n, a in axes.items() if n not in done}
+    cut = {**done, **{n: {"axis": a, "full": int(np.shape(_leaf(info["params"], n))[a])} for n, a in todo.items()}}
+    params = float16_matrices(slice_draft_vocab(info["params"], np.asarray(d2t), todo))
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; the export writes a directory")
+    if out.exists() and out.resolve() == src.resolve():
+        raise FileExistsError(f"{out} is the source directory; write the inference format into another one")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass --overwrite or choose another directory")
+    out.mkdir(parents=True, exist_ok=True)
+    export_params(out, params, info["buffers"], info["step"])
+    meta = {"drafter": kind, "config": info["config"], "target": info["target"], "format": INFERENCE,
+            "draft_vocab_cut": cut, "tensors": tensor_list(params, info["buffers"]),
+            "exported_from": {"path": str(src), "weights": info["source"], "step": info["step"]}}
+    (out / DRAFTER_FILE).write_text(json.dumps(meta, indent=2))
+    for name in COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    return out
+
+
+def check_inference_tensors(where: Path, meta: dict, flat: dict[str, np.ndarray]) -> None:
+    """An inference-format params.npz holds exactly the tensors its drafter.json lists, at their shapes and
+    dtypes, and each cut tensor is as wide as d2t on its cut axis."""
+    try:
+        want = {str(k): (list(v["shape"]), str(v["dtype"])) for k, v in meta["tensors"].items()}
+        cut = {str(k): int(v["axis"]) for k, v in meta.get("draft_vocab_cut", {}).items()}
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{where / DRAFTER_FILE} is corrupt: an inference-format drafter lists its tensors "
+                              f"and its cut ones ({type(e).__name__}: {e})") from None
+    have = {k: (list(v.shape), str(v.dtype)) for k, v in flat.items() if k != "step"}
+    problems = []
+    missing = sorted(set(want) - set(have))
+    if missing:
+        problems.append("missing " + ", ".join(missing))
+    wrong = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+    problems += [f"{k} is {have[k][1]} {have[k][0]}, drafter.json says {want[k][1]} {want[k][0]}" for k in wrong]
+    extra = sorted(set(have) - set(want))
+    if extra:
+        problems.append("not listed in drafter.json: " + ", ".join(extra))
+    d2t = have.get("buffers/d2t", ([], ""))[0]
+    for name, axis in cut.items():
+        shape = have.get(f"params/{name}", ([], ""))[0]
+        if len(d2t) != 1 or len(shape) <= axis or shape[axis] != d2t[0]:
+            problems.append(f"params/{name} {shape} is listed as cut to the draft vocabulary on axis {axis}, "
+                            f"which does not match buffers/d2t {d2t or '(absent)'}")
+    if problems:
+        raise CheckpointError(f"{where / PARAMS_FILE} is not the inference-format drafter {where / DRAFTER_FILE} "
+                              "describes: " + "; ".join(problems))
+
+
 def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: int | None = None) -> dict:
-    """{"drafter", "config", "target", "params", "buffers", "step", "source"} of a trained drafter: its params.npz
-    if it has one, else its newest checkpoint; `step`: that checkpoint (then also "examples_seen"). A run that was
-    interrupted and resumed has a params.npz from the interruption and newer checkpoints since: then the newest
-    checkpoint, not the stale weights."""
+    """{"drafter", "config", "target", "params", "buffers", "step", "source", "format", "draft_vocab_cut"} of a
+    trained drafter: its params.npz if it has one, else its newest checkpoint; `step`: that checkpoint (then also
+    "examples_seen"). A run that was interrupted and resumed has a params.npz from the interruption and newer
+    checkpoints since: then the newest checkpoint, not the stale weights. "format": "full" or "inference"
+    (module docstring); "draft_vocab_cut": {name inside params: {"axis", "full"}} of the tensors an
+    inference-format file holds at the draft vocabulary's entries only (empty for the full format)."""
     p = Path(os.path.expanduser(str(path)))
     if not p.exists():
         raise CheckpointError(f"drafter checkpoint {p} does not exist")
@@ -160,10 +308,15 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: 
     try:
         info = json.loads((p / DRAFTER_FILE).read_text())
         name, config, target = info["drafter"], info["config"], info.get("target", {})
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        fmt = info.get("format", FULL)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{p / DRAFTER_FILE} is corrupt ({type(e).__name__}: {e})") from None
+    if fmt not in (FULL, INFERENCE):
+        raise CheckpointError(f"{p / DRAFTER_FILE} has format {fmt!r}; known: {FULL}, {INFERENCE}")
     if expect_name is not None and name != expect_name:
         raise CheckpointError(f"{p} holds a {name!r} drafter, not {expect_name!r}")
+    if fmt == INFERENCE and not (p / PARAMS_FILE).is_file():
+        raise CheckpointError(f"{p} is an inference-format drafter without its {PARAMS_FILE}")
     extra, flat = {}, None
     if step is None and (p / PARAMS_FILE).is_file():
         try:
@@ -171,9 +324,11 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: 
                 flat = {k: z[k] for k in z.files}
         except Exception as e:
             raise CheckpointError(f"{p / PARAMS_FILE} cannot be read ({type(e).__name__}: {e})") from None
-        newest = _newest_checkpoint(p) if (p / CHECKPOINTS).is_dir() else None
+        newest = _newest_checkpoint(p) if fmt == FULL and (p / CHECKPOINTS).is_dir() else None
         if newest is not None and newest > int(flat.get("step", -1)):
             flat = None  # a resumed run still training: its params.npz is from the interruption
+    if flat is not None and fmt == INFERENCE:
+        check_inference_tensors(p, info, flat)
     if flat is not None:
         tree = unflatten({k: v for k, v in flat.items() if k != "step"})
         step, source = int(flat.get("step", -1)), str(p / PARAMS_FILE)
@@ -190,8 +345,9 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: 
                                   + int(meta.get("cursor", 0)))
     else:
         raise CheckpointError(f"{p} has {DRAFTER_FILE} but no weights ({PARAMS_FILE} or {CHECKPOINTS}/)")
+    cut = {str(k): dict(v) for k, v in info.get("draft_vocab_cut", {}).items()} if fmt == INFERENCE else {}
     return {"drafter": name, "config": config, "target": target, "params": params, "buffers": buffers or {},
-            "step": step, "source": source, **extra}
+            "step": step, "source": source, "format": fmt, "draft_vocab_cut": cut, **extra}
 
 
 def _newest_checkpoint(run: Path) -> int | None:
@@ -335,4 +491,4 @@ def load_export(path: str | os.PathLike, expect_name: str | None = None) -> dict
     buffers = {**out["buffers"], **{k: np.asarray(v, np.float32) for k, v in meta.get("buffers", {}).items()}}
     return {"drafter": kind, "config": out["config"], "target": target, "params": out["params"],
             "buffers": buffers, "step": int(meta.get("step", -1)), "source": f"{p} ({out['format']} layout)",
-            "embed": out["embed"], "head": out.get("head")}
+            "format": FULL, "draft_vocab_cut": {}, "embed": out["embed"], "head": out.get("head")}

@@ -316,8 +316,17 @@ def initial_weights(path: str, task: TrainTask, target, params, buffers) -> tupl
     drafter, target, architecture config and array shapes), in the fresh init's dtypes. The task's
     `training_keys` (loss weights, anchors per sequence, ...) may differ; a buffer the source lacks (e.g. a d2t
     map of a draft vocabulary it did not use) comes from the fresh init. A source with fewer layers is grown
-    (`TrainTask.grow`) where the drafter supports it (the block drafters)."""
+    (`TrainTask.grow`) where the drafter supports it (the block drafters). An inference-format drafter with cut
+    tensors (`checkpoint.export_inference`) is refused, naming them."""
     info = ckpt_lib.load_drafter(path, expect_name=task.name)
+    if info["draft_vocab_cut"]:  # an inference-format drafter: training would start from tensors it lacks
+        vd = len(info["buffers"]["d2t"])
+        lacks = ", ".join(f"params/{name} (all but the draft vocabulary's {vd} of its {cut['full']} entries on "
+                          f"axis {cut['axis']})" for name, cut in info["draft_vocab_cut"].items())
+        raise ckpt_lib.CheckpointError(f"train.init_from {path} is an inference-format drafter (`specdec export "
+                                       f"--format inference`): it lacks the training tensors {lacks}; continue "
+                                       "from the training run or full-format drafter directory it was exported "
+                                       "from")
     ckpt_lib.check_target(info, target, f"train.init_from {path}")
     mine = task.config()
     theirs = info["config"]
