@@ -40,7 +40,7 @@ def _get(data, path: tuple, where: str):
     for key in path:
         if not isinstance(data, dict) or key not in data or data[key] is None:
             raise CardError(f"{where} lacks {'.'.join(map(str, path))}: the card shows only measured figures; "
-                              "run the eval stage again to make a complete results file")
+                            "run the eval stage again to make a complete results file")
         data = data[key]
     return data
 

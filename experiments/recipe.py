@@ -5,7 +5,10 @@
 A recipe file (YAML) has `jobs`, the stages in order, each with a unique `name`, and `out`, the folder all their
 outputs go under (default runs/recipes/<file stem>; runs/ is never committed):
 
-    run: data    `specdec data` of `config` with the `set` overrides, into <out>/data/<name>
+    run: prompts HumanEval-shaped completion prompts from the `mbpp` and / or `gpteacher` files
+                 (experiments.completion_prompts), into <out>/prompts/<name>/prompts.jsonl
+    run: data    `specdec data` of `config` with the `set` overrides, into <out>/data/<name>; with
+                 `prompts: <prompts stage>`, that stage's file is the config's first dataset
     run: train   `specdec train` of `config` + `set` on the data of the data stages named in `data` (the first
                  is train.data_dir, the rest train.more_data), continuing the drafter of the train stage named in
                  `init_from` (null: from scratch), into <out>/train/<name>. `stop_at: N` ends the run at step N
@@ -30,15 +33,20 @@ Each stage's folder (<out>/<kind>/<name>) holds recipe_stage.json: the stage as 
 config, the keys of the stages it read) and whether it finished. A finished stage whose record matches the recipe
 is skipped; one begun and not finished runs again (data goes on from its finished shards, training from its last
 checkpoint); a stage whose record differs from the recipe (its job, its config, or a stage it read was made
-anew) is refused, the difference named: delete its folder to redo it.
+anew) is refused, the difference named: delete its folder to redo it. A card is derived from the rest alone: it
+is rendered again whenever what it shows changed, and `--only <card stage>` renders it again from the existing
+evaluation.
 
-The same format, without `out`, `name`s or the eval / card kinds, is a study for a lent accelerator
+Before anything runs, every stage is checked: its kind and keys, its config, and the stages it reads (they must
+exist, be of the right kind and come earlier: no cycles); an error names the stage and the problem.
+
+The same format, without `out`, `name`s or the prompts / eval / card kinds, is a study for a lent accelerator
 (tools/device_train.py, `load_study`): `data` / `train` jobs whose outputs go where their configs say, each with
 its `seconds`, and `bring_back`. Both read jobs, their commands (`job_args`), where a job writes (`job_paths`) and
 whether it finished (`finished`) here.
 
-This module imports only the standard library at the top: tools/device_train.py imports it before the packages
-are installed on a bare device.
+This module imports only the standard library at the top (and experiments/card.py, which does too):
+tools/device_train.py imports it before the packages are installed on a bare device.
 """
 
 from __future__ import annotations

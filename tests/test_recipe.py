@@ -63,9 +63,11 @@ class Calls:
 
 
 def eval_config(work: Path) -> None:
-    """The eval stage's experiment config: the tiny target, two small prompt sets, greedy, 8 new tokens."""
-    for name, texts in (("first", ["the cat sat on the mat", "one two three four"]),
-                        ("second", ["def add(a, b): return a + b"])):
+    """The eval stage's experiment config: the tiny target, two small prompt sets, greedy, 8 new tokens. Prompts of
+    one length and sets of one size, so that every set runs the programs the first one compiled."""
+    for name, texts in (("first", ["the cat sat on a mat", "one two three four 5"]),
+                        ("second", ["def add(a, b): a + b", "return [x for x in y"])):
+        assert {len(t) for t in texts} == {20}
         (work / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     (work / "eval.yaml").write_text(yaml.safe_dump({
         "model": {"name": "tiny", "max_seq_len": 256}, "sampling": {"temperature": 0.0},
@@ -105,7 +107,7 @@ def test_tiny_recipe_runs_end_to_end(made):
     assert config["train"]["more_data"] == [{"data_dir": str(out / "data" / "d1"), "skip_shards": 0}]
     results = json.loads((stage_dir(recipe, recipe["jobs"][4]) / RESULTS).read_text())
     assert set(results["results"]) == {"drafter_chain", "drafter_tree", "ngram", "suffix"}
-    assert results["sets"] == {"first": {"prompts": 2, "untuned": False}, "second": {"prompts": 1, "untuned": True}}
+    assert results["sets"] == {"first": {"prompts": 2, "untuned": False}, "second": {"prompts": 2, "untuned": True}}
     for method in results["results"].values():
         for figures in method["sets"].values():
             assert figures["tau"] >= 1 and figures["same_as_ar"] is True  # greedy: every output is AR's

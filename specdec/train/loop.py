@@ -611,6 +611,9 @@ def train(task: TrainTask, target, data: DistillData, cfg, run_dir: str | Path, 
 
     store = ckpt_lib.CheckpointStore(run_path / ckpt_lib.CHECKPOINTS, keep=cfg.keep_checkpoints)
     resumed_from = store.latest_step()
+    if stop_at is not None and resumed_from is not None and resumed_from > stop_at:
+        store.close()
+        raise ValueError(f"{run_path} is already at step {resumed_from}, past the step to stop at ({stop_at})")
     state = initial_state(task, target, data, examples, cfg, hyper, mesh, resumed_from is None, log)
     order = BatchOrder(examples.train_idx, cfg.batch_size, cfg.seed, lengths=examples.lengths)
     ckpt_lib.write_drafter_config(run_path, task.name, task.config(), ckpt_lib.target_info(target))
