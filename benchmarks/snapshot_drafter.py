@@ -13,7 +13,8 @@ weights' source and (from a checkpoint) the examples seen at that step. The run'
 it, and its summary.json with the final weights (an export's model card reads them). `--float16` stores the
 weight matrices (parameters of 2 or more dimensions) as float16, which halves the file (the shipped drafter in
 drafters/trained/ is written so); vectors (norm scales, biases) and buffers stay as trained. The drafter upcasts
-on load. A snapshot is a full-format drafter (`train.init_from` continues it); what ships is written by
+on load. The work is `specdec.train.checkpoint.snapshot`, which `specdec recipe` calls too. A snapshot is a
+full-format drafter (`train.init_from` continues it); what ships is written by
 `specdec export <run> --format inference <out>` (only what decoding reads, docs/TRAINING.md).
 """
 
@@ -21,30 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 from specdec.train import checkpoint as ckpt
-
-
-def snapshot(run: Path, out: Path, step: int | None = None, float16: bool = False) -> dict:
-    """Write the run's drafter at `step` (None: its final weights, see the module doc) into `out`; returns
-    `checkpoint.load_drafter`'s dict of what was written (params, buffers, step, source)."""
-    run, out = Path(run), Path(out)
-    info = ckpt.load_drafter(run, step=step)  # a resumed run still training: its newest checkpoint
-    final = info["source"] == str(run / ckpt.PARAMS_FILE)
-    snap = {"run": str(run), "step": info["step"], "source": info["source"],
-            **({"examples_seen": info["examples_seen"]} if "examples_seen" in info else {})}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / ckpt.DRAFTER_FILE).write_text(json.dumps({"drafter": info["drafter"], "config": info["config"],
-                                                     "target": info["target"], "snapshot": snap}, indent=2))
-    params = ckpt.float16_matrices(info["params"]) if float16 else info["params"]
-    ckpt.export_params(out, params, info["buffers"], info["step"])
-    # the run's config holds at every step; its summary (final eval, steps) only for the final weights
-    for name in ("config.yaml", "summary.json") if final else ("config.yaml",):
-        if (run / name).is_file() and run.resolve() != out.resolve():
-            shutil.copy2(run / name, out / name)
-    return info
+from specdec.train.checkpoint import snapshot
 
 
 def main(argv=None):

@@ -9,6 +9,7 @@
     specdec train <config.yaml> [k=v ...]   train the config's drafter on that data (resumes when interrupted)
     specdec export <run> --format vllm|sglang <out>   the trained drafter in a serving engine's layout
     specdec export <run> --format inference <out>     ... or with only what decoding reads (what ships)
+    specdec recipe <recipe.yaml> [--until S | --only S] [--dry-run]   the stages that make a drafter, its card
 """
 
 from __future__ import annotations
@@ -350,6 +351,9 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if not cfg.train.data_dir:
         raise ValueError("train.data_dir: set the distillation data directory (made by `specdec data`)")
+    if args.stop_at_step is not None and not 1 <= args.stop_at_step <= cfg.train.steps:
+        raise ValueError(f"--stop-at-step {args.stop_at_step}: must be a step from 1 to train.steps="
+                         f"{cfg.train.steps}")
     name = cfg.output.name or Path(args.config).stem
     run_dir = Path(cfg.output.dir) / name
     data = pool_distill_data([(d.data_dir, load_distill_data(d.data_dir, d.skip_shards))
@@ -365,14 +369,15 @@ def cmd_train(args) -> int:
         tracker.use_artifact(*data_artifact(data_dir))
     try:
         summary = train(task, target, data, cfg.train, run_dir, tracker=tracker, progress=not args.no_progress,
-                        eval_draft_len=cfg.drafter.num_draft_tokens)
+                        eval_draft_len=cfg.drafter.num_draft_tokens, stop_at=args.stop_at_step)
     except TrainingDiverged as e:
         print(f"\nERROR: {e}", file=sys.stderr)
         return 3
     finally:
         tracker.finish()
     first, final = summary["first_eval"], summary["final_eval"]
-    print(f"\n{task.name} trained for {summary['steps']} steps in {summary['seconds']} s -> {run_dir}")
+    stopped = f" (stopped as asked; its schedule spans {cfg.train.steps})" if summary["status"] == "stopped" else ""
+    print(f"\n{task.name} trained for {summary['steps']} steps{stopped} in {summary['seconds']} s -> {run_dir}")
     print(_summary_lines(summary, ["trainable_parameters", "train_examples", "eval_examples",
                                    "train_tokens_per_second", "bytes_per_token_cached"]))
     if final and "loss" in final:
@@ -386,6 +391,14 @@ def cmd_train(args) -> int:
               f"step {ev['acceptance_by_step']}")
     print(f"  use it: drafter.name={task.name} drafter.path={run_dir}")
     return 0
+
+
+def cmd_recipe(args) -> int:
+    """Run a recipe's stages (experiments/recipe.py): data, training, evaluation, the model card."""
+    from experiments.recipe import run_recipe
+
+    return run_recipe(args.recipe, main, until=args.until, only=args.only, dry_run=args.dry_run,
+                      progress=not args.no_progress)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -477,7 +490,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="training YAML file (e.g. configs/train/eagle3.yaml)")
     t.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.add_argument("--stop-at-step", type=int, default=None, metavar="N",
+                   help="end the run at step N although its learning-rate schedule spans train.steps (saved and "
+                        "exported, not calibrated, summary status 'stopped'); rerunning with a larger N goes on")
     t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("recipe", help="run the stages that make a trained drafter (data, training, evaluation, "
+                                      "model card); finished stages are skipped, an interrupted one resumes",
+                       description="Run a recipe file (configs/recipes/): its data, train, eval and card stages in "
+                                   "order, outputs under its `out` (runs/recipes/<name>/). A finished stage is "
+                                   "skipped, an interrupted one resumes, a stage that changed since its output was "
+                                   "made is refused (docs/TRAINING.md, \"The recipe\").")
+    c.add_argument("recipe", help="recipe YAML file (e.g. configs/recipes/smollm2_135m_dspark.yaml)")
+    c.add_argument("--until", metavar="STAGE", help="run the stages up to and including STAGE")
+    c.add_argument("--only", metavar="STAGE", help="run STAGE alone, its inputs finished (a card stage: render the "
+                   "model card again from the existing evaluation)")
+    c.add_argument("--dry-run", action="store_true", help="print each stage, its command and whether it is "
+                   "finished; run nothing")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.set_defaults(func=cmd_recipe)
     return parser
 
 

@@ -283,7 +283,11 @@ SHIPPED = sorted(CONFIGS.rglob("*.yaml")) + sorted(CONFIGS.rglob("*.yml"))
 @pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(CONFIGS)) for p in SHIPPED])
 def test_every_shipped_config_loads(path):
     text = yaml.safe_load(path.read_text())
-    if isinstance(text, dict) and "jobs" in text:  # a study for a lent device (tools/device_train.py)
+    if path.parent.name == "recipes" and isinstance(text, dict) and "jobs" in text:
+        from experiments.recipe import load_recipe, plan  # a recipe: every stage checked, every config resolved
+
+        assert [s["record"]["key"] for s in plan(load_recipe(str(path)))]
+    elif isinstance(text, dict) and "jobs" in text:  # a study for a lent device (tools/device_train.py)
         from tools.device_train import load_study
 
         for job in load_study(str(path))["jobs"]:

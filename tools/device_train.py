@@ -14,8 +14,9 @@ round it:
 - at most 8 files of <= 16 MiB come back: each drafter comes back in float16 parts, as many as fit a call.
 
 The work is a study file's jobs (`load_study`: `specdec data` / `specdec train` of configs with overrides, each
-with its time budget) or, for a plain config, its data and its training. A call that runs out of time leaves
-the jobs it did not reach to the next call with the same command.
+with its time budget) or, for a plain config, its data and its training. The job model (a study's jobs, a job's
+command, where it writes, whether it finished) is the recipe runner's, experiments/recipe.py. A call that runs
+out of time leaves the jobs it did not reach to the next call with the same command.
 
     python -m tools.device_train pack --config CONFIG_OR_STUDY [--no-wheels]   # 1. here: .device/, the calls
     #   2. the printed `device run` calls, back to back (then more with .device/common alone, to go on)
@@ -44,6 +45,8 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+
+from experiments import recipe  # standard library only at its top, like this module
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "configs/train/device_h200.yaml"
@@ -190,38 +193,13 @@ def plan_calls(model_bytes: int, common_bytes: int, room: int) -> list[int]:
     return sizes
 
 
-JOB_KINDS = ("data", "train")
-
-
 def load_study(path: str) -> dict:
-    """The work of the device call as {"jobs": [...], "bring_back": [...]}. A study file (YAML with `jobs`)
-    lists the jobs run in order, each {run: data | train, config: <config.yaml>, set: [key=value, ...], seconds:
-    its budget}, and in `bring_back` the output names of train jobs whose drafters come back (float16; two fit in
-    a call's 64 MiB). Any other config is one data job and one train job of it, its drafter brought back."""
-    import yaml
-
-    text = yaml.safe_load(Path(path).read_text())
-    if not (isinstance(text, dict) and "jobs" in text):
-        return {"jobs": [{"run": "data", "config": path, "set": [], "seconds": None},
-                         {"run": "train", "config": path, "set": [], "seconds": None}], "bring_back": None}
-    jobs = text["jobs"]
-    if not isinstance(jobs, list) or not jobs:
-        raise DeviceTrainError(f"{path}: `jobs` must be a non-empty list")
-    for i, job in enumerate(jobs):
-        if not isinstance(job, dict) or job.get("run") not in JOB_KINDS or not job.get("config"):
-            raise DeviceTrainError(f"{path}: job {i} must be {{run: data|train, config: ..., set: [...], seconds: "
-                                   f"N}}, got {job!r}")
-        unknown = set(job) - {"run", "config", "set", "seconds"}
-        if unknown:
-            raise DeviceTrainError(f"{path}: job {i} has unknown key(s) {sorted(unknown)}")
-        if not isinstance(job.get("set", []), list) or not isinstance(job.get("seconds", 0), (int, float)):
-            raise DeviceTrainError(f"{path}: job {i}: `set` must be a list of key=value and `seconds` a number")
-        job.setdefault("set", [])
-        job.setdefault("seconds", None)
-    bring = text.get("bring_back") or []
-    if not isinstance(bring, list):
-        raise DeviceTrainError(f"{path}: `bring_back` must be a list of train jobs' output names")
-    return {"jobs": jobs, "bring_back": bring}
+    """The work of the device call as {"jobs": [...], "bring_back": [...]}: a study file's jobs, or a plain
+    config's data and train job (`experiments.recipe.load_study`, the recipe format's data and train jobs)."""
+    try:
+        return recipe.load_study(path)
+    except recipe.RecipeError as e:
+        raise DeviceTrainError(str(e)) from None
 
 
 def pack(config: str = DEFAULT_CONFIG, out: Path = REPO / PACK_DIR, *, model_file: Path | None = None,
@@ -427,24 +405,6 @@ def install_packages(wheels: list[Path], site: Path, env: dict) -> str:
     return f"installed from {how}"
 
 
-def _job_paths(job: dict, sets: list[str], env: dict, workdir: Path) -> dict:
-    """Where a job writes (relative paths are relative to `workdir`, where the jobs run): its data directory,
-    and for a train job its run directory (output.name, or the config's stem as `specdec train` names it)."""
-    data_dir, output_dir, output_name = _settings(str(REPO / job["config"]), job["set"] + sets, env,
-                                                  "train.data_dir", "output.dir", "output.name")
-    name = output_name if output_name != "None" else Path(job["config"]).stem
-    return {"data_dir": Path(workdir, data_dir), "run_dir": Path(workdir, output_dir, name), "name": name}
-
-
-def _finished(job: dict, paths: dict, ran_before: bool = False) -> bool:
-    """Not to run again: a train job whose run already ended complete, or a data job an earlier call ran (data is
-    made once, so that every training run of a study sees the same examples, however far it got)."""
-    if job["run"] == "data":  # ... and wrote its summary (a job that failed outright runs again)
-        return ran_before and (paths["data_dir"] / "summary.json").is_file()
-    summary = paths["run_dir"] / "summary.json"
-    return summary.is_file() and json.loads(summary.read_text()).get("status") == "complete"
-
-
 def device(args) -> int:
     """Stage the carried parts; when all are there, run the plan's jobs and leave the results in --out. A call
     that runs out of time leaves the jobs it did not reach for the next call with the same command (data and
@@ -502,11 +462,14 @@ def device(args) -> int:
         ran_file = stage / "jobs_ran.json"  # jobs an earlier call started
         ran = set(json.loads(ran_file.read_text())) if ran_file.is_file() else set()
         # where each job writes: read once (each read is a Python process with the config system)
-        job_paths = [_job_paths(job, sets, env, workdir) for job in study["jobs"]]
+        def settings(config, job_sets, *keys):  # in a child process: this one started before the wheels
+            return _settings(str(REPO / config), job_sets, env, *keys)
+
+        job_paths = [recipe.job_paths(job, sets, workdir, settings) for job in study["jobs"]]
         for i, (job, paths) in enumerate(zip(study["jobs"], job_paths)):
             record = {"job": i, "run": job["run"], "config": job["config"], "name": paths["name"]}
             manifest["jobs"].append(record)
-            if _finished(job, paths, i in ran):
+            if recipe.finished(job, paths, ran_before=i in ran):
                 record["status"] = "done in an earlier call"
                 continue
             left = deadline - time.monotonic() - 60  # for the snapshots and the files
@@ -523,9 +486,8 @@ def device(args) -> int:
             # the target's answers at full float32 precision, as on the CPU
             job_env = {**env, "JAX_DEFAULT_MATMUL_PRECISION": "highest"} if job["run"] == "data" else env
             t_job = time.monotonic()
-            rc = Job([*cli, job["run"], str(REPO / job["config"]), f"{job['run']}.max_seconds={seconds:.0f}",
-                      *job["set"], *sets, "--no-progress"], job_env, log, min(t_job + seconds + 180, deadline - 45),
-                     cwd=workdir).run()
+            rc = Job([*cli, *recipe.job_args(job, *sets, f"{job['run']}.max_seconds={seconds:.0f}", "--no-progress")],
+                     job_env, log, min(t_job + seconds + 180, deadline - 45), cwd=workdir).run()
             record.update(rc=rc, wall_seconds=round(time.monotonic() - t_job, 1), budget_seconds=round(seconds))
             summary = (paths["data_dir"] if job["run"] == "data" else paths["run_dir"]) / "summary.json"
             if summary.is_file():
@@ -545,7 +507,7 @@ def device(args) -> int:
         done = json.loads(done_file.read_text()) if done_file.is_file() else []
         room = BRING_BACK_BYTES
         for name in wanted:  # each a train job's output name (`pack` checked)
-            if name in done or not _finished({"run": "train"}, train_jobs[name]):
+            if name in done or not recipe.finished({"run": "train"}, train_jobs[name]):
                 continue
             dest = stage / "drafters" / name
             shutil.rmtree(dest, ignore_errors=True)

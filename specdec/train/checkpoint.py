@@ -350,6 +350,32 @@ def load_drafter(path: str | os.PathLike, expect_name: str | None = None, step: 
             "step": step, "source": source, "format": fmt, "draft_vocab_cut": cut, **extra}
 
 
+def snapshot(run: str | os.PathLike, out: str | os.PathLike, step: int | None = None, float16: bool = False) -> dict:
+    """Freeze a training run's drafter into the drafter directory `out` (drafter.json + params.npz), which no
+    training job moves: the weights at checkpoint `step`, or (None) the run's final weights (params.npz, with
+    DSpark's calibrated confidences) if it finished, else its newest checkpoint. `float16`: the weight matrices
+    stored float16 (vectors and buffers as trained; the drafter upcasts on load). drafter.json also records the
+    run, the step, the weights' source and (from a checkpoint) the examples seen; the run's config.yaml is copied
+    beside it, and its summary.json with the final weights. Returns `load_drafter`'s dict of what was written."""
+    import shutil
+
+    run, out = Path(run), Path(out)
+    info = load_drafter(run, step=step)  # a resumed run still training: its newest checkpoint
+    final = info["source"] == str(run / PARAMS_FILE)
+    snap = {"run": str(run), "step": info["step"], "source": info["source"],
+            **({"examples_seen": info["examples_seen"]} if "examples_seen" in info else {})}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DRAFTER_FILE).write_text(json.dumps({"drafter": info["drafter"], "config": info["config"],
+                                                "target": info["target"], "snapshot": snap}, indent=2))
+    params = float16_matrices(info["params"]) if float16 else info["params"]
+    export_params(out, params, info["buffers"], info["step"])
+    # the run's config holds at every step; its summary (final eval, steps) only for the final weights
+    for name in ("config.yaml", "summary.json") if final else ("config.yaml",):
+        if (run / name).is_file() and run.resolve() != out.resolve():
+            shutil.copy2(run / name, out / name)
+    return info
+
+
 def _newest_checkpoint(run: Path) -> int | None:
     store = CheckpointStore(run / CHECKPOINTS, create=False)
     try:

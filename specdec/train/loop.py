@@ -515,8 +515,8 @@ def eval_sets(cfg, spec: StepSpec, examples: Examples, batches: Batches, mesh, t
 class LoopEnd:
     state: TrainState
     step: int
-    status: str  # "complete", "time_limit" (train.max_seconds) or "interrupted" (Ctrl-C or SIGTERM: the step
-    # reached is saved)
+    status: str  # "complete", "time_limit" (train.max_seconds), "stopped" (the caller's `stop_at`) or
+    # "interrupted" (Ctrl-C or SIGTERM): the step reached is saved
     tokens_seen: int  # real (unpadded) tokens trained on in this call
 
 
@@ -530,22 +530,23 @@ def _catch_sigterm(flag: list) -> Callable[[], None]:
 
 
 def _loop(run: Run, state: TrainState, last_saved: int | None, terminated: list, progress: bool,
-          hook: Callable[[int, dict], None] | None) -> LoopEnd:
-    """Train steps up to `train.steps`. After each: the train metrics averaged over the last `log_every` steps,
-    a checkpoint every `checkpoint_every` steps and an evaluation every `eval_every` steps (the last step is
-    always logged and saved; its evaluation is the caller's final one), then `hook`. A non-finite step raises
-    `TrainingDiverged`; Ctrl-C, or SIGTERM recorded in `terminated`, stops after the running step and saves it;
-    so does `train.max_seconds` (status "time_limit")."""
+          hook: Callable[[int, dict], None] | None, stop_at: int | None = None) -> LoopEnd:
+    """Train steps up to `train.steps`, or up to `stop_at` (status "stopped"). After each: the train metrics
+    averaged over the last `log_every` steps, a checkpoint every `checkpoint_every` steps and an evaluation every
+    `eval_every` steps (the last step is always logged and saved; its evaluation is the caller's final one), then
+    `hook`. A non-finite step raises `TrainingDiverged`; Ctrl-C, or SIGTERM recorded in `terminated`, stops
+    after the running step and saves it; so does `train.max_seconds` (status "time_limit")."""
     from tqdm.auto import tqdm
 
     cfg = run.cfg
+    end_step = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     step = int(state.step)
     tokens_seen = 0
     window: list[dict] = []
     t_loop = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {run.task.name}", disable=not progress, dynamic_ncols=True)
     try:
-        while step < cfg.steps:
+        while step < end_step:
             batch = run.batches(run.order.next())
             state, m = train_step(run.spec, state, run.consts, run.target.params, batch)
             m = jax.device_get(m)
@@ -561,14 +562,14 @@ def _loop(run: Run, state: TrainState, last_saved: int | None, terminated: list,
             tokens_seen += int(sharding.to_host(batch["lengths"]).sum())  # rows may live on other hosts
             window.append({k: _host(v) for k, v in m.items() if k != "finite"})
             bar.update(1)
-            if step % cfg.log_every == 0 or step == cfg.steps:
+            if step % cfg.log_every == 0 or step == end_step:
                 avg = {k: float(np.mean([w[k] for w in window])) for k in window[0]
                        if not isinstance(window[0][k], list)}
                 avg["tokens_per_second"] = tokens_seen / max(time.perf_counter() - t_loop, 1e-9)
                 run.metrics.emit("train", step, avg)
                 bar.set_postfix(loss=f"{avg['loss']:.3f}", refresh=False)
                 window = []
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            if step % cfg.checkpoint_every == 0 or step == end_step:
                 run.save(state, step)
                 last_saved = step
             if step % cfg.eval_every == 0 and step != cfg.steps:
@@ -592,16 +593,19 @@ def _loop(run: Run, state: TrainState, last_saved: int | None, terminated: list,
         return LoopEnd(state, step, "interrupted", tokens_seen)
     finally:
         bar.close()
-    return LoopEnd(state, step, "complete", tokens_seen)
+    return LoopEnd(state, step, "complete" if step >= cfg.steps else "stopped", tokens_seen)
 
 
 def train(task: TrainTask, target, data: DistillData, cfg, run_dir: str | Path, *, tracker: Tracker | None = None,
           progress: bool = True, eval_draft_len: int = 5, hook: Callable[[int, dict], None] | None = None,
-          log: Callable[[str], None] = print) -> dict:
+          log: Callable[[str], None] = print, stop_at: int | None = None) -> dict:
     """Train `task` on `data` with the settings of `cfg` (a `specdec.config.TrainConfig`) into `run_dir`.
 
     Resumes from `run_dir/checkpoints` when it holds any. `hook(step, metrics)` runs after every step (tests
-    use it to interrupt a run). Returns the summary (also written to run_dir/summary.json)."""
+    use it to interrupt a run). `stop_at`: end the run at that step although its learning-rate schedule spans
+    `train.steps` (status "stopped"), as a run stopped there by a signal ends: saved and exported, neither
+    evaluated at the end nor calibrated; a later call with a larger `stop_at` (or none) goes on from it.
+    Returns the summary (also written to run_dir/summary.json)."""
     t_start = time.perf_counter()
     run_path = Path(run_dir)
     run_path.mkdir(parents=True, exist_ok=True)
@@ -616,6 +620,9 @@ def train(task: TrainTask, target, data: DistillData, cfg, run_dir: str | Path, 
 
     store = ckpt_lib.CheckpointStore(run_path / ckpt_lib.CHECKPOINTS, keep=cfg.keep_checkpoints)
     resumed_from = store.latest_step()
+    if stop_at is not None and resumed_from is not None and resumed_from > stop_at:
+        store.close()
+        raise ValueError(f"{run_path} is already at step {resumed_from}, past the step to stop at ({stop_at})")
     state = initial_state(task, target, data, examples, cfg, hyper, mesh, resumed_from is None, log)
     order = BatchOrder(examples.train_idx, cfg.batch_size, cfg.seed, lengths=examples.lengths)
     ckpt_lib.write_drafter_config(run_path, task.name, task.config(), ckpt_lib.target_info(target))
@@ -631,7 +638,7 @@ def train(task: TrainTask, target, data: DistillData, cfg, run_dir: str | Path, 
     step = int(state.step)
     log(f"training {task.name}: {tree_size(state.params):,} trainable parameters, {len(examples.train_idx)} train "
         f"/ {len(examples.eval_idx)} held-out examples, batch {cfg.batch_size} x {cfg.seq_len} tokens, steps "
-        f"{step}->{cfg.steps}, features {cfg.features}")
+        f"{step}->{cfg.steps}{f' (stopping at {stop_at})' if stop_at is not None else ''}, features {cfg.features}")
     t_loop = time.perf_counter()
     first_eval = final_eval = None
     # Preemption (SIGTERM, e.g. a spot VM or a cluster scheduler) stops like Ctrl-C: the running step finishes,
@@ -642,7 +649,7 @@ def train(task: TrainTask, target, data: DistillData, cfg, run_dir: str | Path, 
     try:
         first_eval = run.evaluate(state, step) if step == 0 else None
         t_loop = time.perf_counter()
-        end = _loop(run, state, resumed_from, terminated, progress, hook)
+        end = _loop(run, state, resumed_from, terminated, progress, hook, stop_at)
         state = end.state
         if end.status in ("complete", "time_limit"):  # a time limit ends the call like its last step
             final_eval = run.evaluate(state, end.step)

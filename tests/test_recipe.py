@@ -1,0 +1,274 @@
+"""Recipes (experiments/recipe.py, `specdec recipe`) on the tiny random target: two data stages, two training
+stages chained by init_from (the first snapshotted in float16, the second stopped early), an evaluation on two
+small prompt sets and the model card, run end to end through the CLI's commands; run again, every stage is
+skipped; a deleted or interrupted stage is resumed alone; a changed stage is refused; the card holds the
+evaluation's figures and refuses a results file that lacks one; every malformed recipe is an error naming the
+stage. The shipped recipe loads, and its last training stage resolves to the shipped drafter's own config."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from experiments import cli
+from experiments.card import CardError, check_results
+from experiments.recipe import (RESULTS, RecipeError, flatten_config, lineage, load_recipe, plan, run_recipe,
+                                stage_dir, write_card)
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "train" / "tiny.yaml")
+SHIPPED = REPO / "configs" / "recipes" / "smollm2_135m_dspark.yaml"
+# both training stages share one schedule, so the second runs the train step the first compiled; EAGLE-3 with
+# one training-time-test step compiles fastest
+TRAIN = ["train.steps=6", "train.batch_size=4", "train.eval_examples=4", "train.eval_every=2",
+         "train.checkpoint_every=2", "train.log_every=2", "train.drafter_options={ttt_steps: 1}"]
+
+
+def tiny_recipe(work: Path, **changes) -> dict:
+    """The test recipe as a mapping; `changes`: stage name -> keys to replace in that stage."""
+    prompts = f"data.datasets=[{{name: {work / 'train_prompts.jsonl'}, limit: 20}}]"
+    jobs = [
+        {"name": "d1", "run": "data", "config": TINY,
+         "set": [prompts, "train.shard_size=10", "generation.max_new_tokens=12"]},
+        {"name": "d2", "run": "data", "config": TINY,
+         "set": [prompts, "data.datasets.0.skip=20", "train.shard_size=10", "generation.max_new_tokens=12"]},
+        {"name": "t1", "run": "train", "config": TINY, "data": ["d1"], "init_from": None,
+         "set": TRAIN, "snapshot": {"step": None, "float16": True}},
+        {"name": "t2", "run": "train", "config": TINY, "data": ["d2", "d1"], "init_from": "t1",
+         "set": TRAIN, "stop_at": 4},
+        {"name": "eval", "run": "eval", "config": str(work / "eval.yaml"), "drafter": "t2", "nodes": 3,
+         "tree": {"tree_top_k": 2, "tree_depth": 2}, "untuned": ["second"]},
+        {"name": "card", "run": "card", "eval": "eval"},
+    ]
+    for job in jobs:
+        job.update(changes.get(job["name"], {}))
+    return {"description": "tiny", "out": str(work / "out"), "jobs": jobs}
+
+
+def write(path: Path, recipe: dict) -> str:
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return str(path)
+
+
+class Calls:
+    """cli.main, recording each command it runs."""
+
+    def __init__(self):
+        self.argv = []
+
+    def __call__(self, argv):
+        self.argv.append(argv[:2])
+        return cli.main(argv)
+
+
+def eval_config(work: Path) -> None:
+    """The data stages' prompts (a file: the target answers them, nothing else is generated), and the eval stage's
+    experiment config: the tiny target, two small prompt sets, greedy, 8 new tokens. Prompts of one length and
+    sets of one size, so that every set runs the programs the first one compiled."""
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    (work / "train_prompts.jsonl").write_text("".join(
+        json.dumps({"prompt": f"{words[i % 8]} {words[i * 3 % 8]} {i}"}) + "\n" for i in range(40)))
+    for name, texts in (("first", ["the cat sat on a mat", "one two three four 5"]),
+                        ("second", ["def add(a, b): a + b", "return [x for x in y"])):
+        assert {len(t) for t in texts} == {20}
+        (work / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    (work / "eval.yaml").write_text(yaml.safe_dump({
+        "model": {"name": "tiny", "max_seq_len": 256}, "sampling": {"temperature": 0.0},
+        "generation": {"max_new_tokens": 8, "batch_size": 2},
+        "data": {"datasets": [{"name": str(work / "first.jsonl")}, {"name": str(work / "second.jsonl")}],
+                 "chat_template": False},
+        "tracking": {"backend": "none"}}))
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    work = tmp_path_factory.mktemp("recipe")
+    eval_config(work)
+    path = write(work / "tiny.yaml", tiny_recipe(work))
+    logs = {"until": [], "all": []}
+    first, rest = Calls(), Calls()
+    assert run_recipe(path, first, until="t1", progress=False, log=logs["until"].append) == 0
+    stages = {s["job"]["name"]: s["state"] for s in plan(load_recipe(path))}
+    assert stages == {"d1": "finished", "d2": "finished", "t1": "finished", "t2": "to run", "eval": "to run",
+                      "card": "to run"}
+    assert run_recipe(path, rest, progress=False, log=logs["all"].append) == 0
+    return {"work": work, "path": path, "recipe": load_recipe(path), "logs": logs, "calls": (first, rest)}
+
+
+def test_tiny_recipe_runs_end_to_end(made):
+    first, rest = made["calls"]
+    assert first.argv == [["data", TINY], ["data", TINY], ["train", TINY]]
+    assert rest.argv == [["train", TINY]]  # the stages the first call finished are skipped
+    assert sum("finished, skipped" in line for line in made["logs"]["all"]) == 3
+    recipe, out = made["recipe"], made["work"] / "out"
+    t1 = np.load(out / "drafters" / "t1" / "params.npz")
+    assert any(t1[k].dtype == np.float16 for k in t1.files)  # the snapshot's weight matrices
+    summary = json.loads((out / "train" / "t2" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["steps"] == 4  # stop_at, of a 6-step schedule
+    config = yaml.safe_load((out / "train" / "t2" / "config.yaml").read_text())
+    assert config["train"]["init_from"] == str(out / "drafters" / "t1")
+    assert config["train"]["more_data"] == [{"data_dir": str(out / "data" / "d1"), "skip_shards": 0}]
+    results = json.loads((stage_dir(recipe, recipe["jobs"][4]) / RESULTS).read_text())
+    assert set(results["results"]) == {"drafter_chain", "drafter_tree", "ngram", "suffix"}
+    assert results["sets"] == {"first": {"prompts": 2, "untuned": False}, "second": {"prompts": 2, "untuned": True}}
+    for method in results["results"].values():
+        for figures in method["sets"].values():
+            assert figures["tau"] >= 1 and figures["same_as_ar"] is True  # greedy: every output is AR's
+    assert [j["name"] for j in lineage(recipe, "t2")] == ["t1", "t2"]
+
+
+def test_the_card_shows_the_evaluation_and_refuses_a_missing_figure(made):
+    recipe, out = made["recipe"], made["work"] / "out"
+    card = (out / "train" / "t2" / "README.md").read_text()
+    results_path = out / "eval" / "eval" / RESULTS
+    results = json.loads(results_path.read_text())
+    assert "generated, never edited by hand" in card and "--only card" in card
+    for method in results["results"].values():
+        for figures in method["sets"].values():
+            assert f"{figures['tau']:.2f}" in card and f"{figures['first_accept']:.2f}" in card
+        assert f"**{method['mean']['tau']:.2f}**" in card
+    assert "alone" in card and "chain" in card and "tree" in card and "verified nodes per round" in card
+    data = json.loads((out / "data" / "d2" / "summary.json").read_text())
+    assert f"{data['response_tokens']:,} response tokens" in card
+    assert "4 of a 6-step schedule" in card
+    prefix = "| n-gram prompt lookup (max_ngram 3) | lookup only | chain | 3 |"
+    rows = [line for line in card.splitlines() if line.startswith(prefix)]  # its tau row, then its first-draft row
+    got = results["results"]["ngram"]
+    assert rows == [f"{prefix} {got['sets']['first'][f]:.2f} | **{got['mean'][f]:.2f}** | {got['sets']['second'][f]:.2f} |"
+                    for f in ("tau", "first_accept")]
+    saved = results_path.read_text()
+    try:  # the card shows what the JSON says, and refuses a JSON without a figure
+        got["sets"]["first"]["tau"], got["mean"]["tau"] = 1.2345, 1.875
+        results_path.write_text(json.dumps(results))
+        write_card(recipe, recipe["jobs"][5])
+        assert "| 1.23 | **1.88** |" in (out / "train" / "t2" / "README.md").read_text()
+        del got["sets"]["second"]["tau"]
+        with pytest.raises(CardError, match="lacks results.ngram.sets.second.tau"):
+            check_results(results)
+        results_path.write_text(json.dumps(results))
+        with pytest.raises(CardError, match="lacks results.ngram.sets.second.tau"):
+            write_card(recipe, recipe["jobs"][5])
+    finally:
+        results_path.write_text(saved)
+    (out / "train" / "t2" / "README.md").unlink()
+    assert run_recipe(made["path"], Calls(), only="card", progress=False, log=lambda _: None) == 0
+    assert (out / "train" / "t2" / "README.md").read_text() == card  # the same card from the same evaluation
+
+
+def test_a_second_run_skips_every_stage(made):
+    def no_command(argv):
+        raise AssertionError(f"a finished stage ran again: {argv}")
+
+    logs = []
+    assert run_recipe(made["path"], no_command, progress=False, log=logs.append) == 0
+    assert sum("finished, skipped" in line for line in logs) == 6
+    dry = []
+    assert run_recipe(made["path"], no_command, dry_run=True, log=dry.append) == 0
+    assert sum(": finished" in line for line in dry) == 6 and "specdec train" in "\n".join(dry)
+
+
+def test_an_interrupted_stage_resumes_alone_from_its_checkpoint(made):
+    """t2's output deleted, then t2 cut at its time budget after one step: only t2 (and the card, which lives in
+    t2's directory) run; the rerun resumes t2 from its step-1 checkpoint."""
+    work, out = made["work"], made["work"] / "out"
+    shutil.rmtree(out / "train" / "t2")
+    budget = write(work / "budget.yaml", tiny_recipe(work, t2={"seconds": 0}))  # a budget is not a change
+    calls, logs = Calls(), []
+    assert run_recipe(budget, calls, progress=False, log=logs.append) == 1
+    assert calls.argv == [["train", TINY]] and any("stopped at its time budget" in line for line in logs)
+    assert json.loads((out / "train" / "t2" / "summary.json").read_text())["status"] == "time_limit"
+    calls, logs = Calls(), []
+    assert run_recipe(made["path"], calls, progress=False, log=logs.append) == 0
+    assert calls.argv == [["train", TINY]]
+    assert any("t2 (train): resuming" in line for line in logs)
+    assert any("eval (eval): finished, skipped" in line for line in logs)
+    summary = json.loads((out / "train" / "t2" / "summary.json").read_text())
+    assert summary["resumed_from"] == 1 and summary["steps"] == 4 and summary["status"] == "stopped"
+    assert (out / "train" / "t2" / "README.md").is_file()
+
+
+def test_a_changed_stage_is_refused(made):
+    work = made["work"]
+    changed = write(work / "changed.yaml", tiny_recipe(work, t1={"set": [*TRAIN, "train.lr=0.001"]}))
+    with pytest.raises(RecipeError, match=r"stage t1 changed since its output .* \(config\.train\.lr.* delete"):
+        run_recipe(changed, Calls(), progress=False, log=lambda _: None)
+    dry = []
+    run_recipe(changed, Calls(), dry_run=True, log=dry.append)
+    assert any("t1 (train): changed: config.train.lr" in line for line in dry)
+    d2 = tiny_recipe(work)["jobs"][1]["set"]
+    regenerated = write(work / "regen.yaml", tiny_recipe(work, d2={"set": [*d2, "data.datasets.0.skip=24"]}))
+    with pytest.raises(RecipeError, match=r"stage d2 changed .*data\.datasets\.0\.skip"):
+        run_recipe(regenerated, Calls(), progress=False, log=lambda _: None)
+
+
+BAD = [
+    ("- {name: a, run: evaluate, config: TINY}", r"job 0 \(a\) must be \{run: prompts\|data\|train\|eval\|card"
+                                                 r".*unknown stage kind"),
+    ("- {name: a, run: data}", r"job 0 \(a\): `config` is missing"),
+    ("- {name: a, run: data, config: no/such.yaml}", r"job 0 \(a\): config no/such.yaml does not exist"),
+    ("- {name: a, run: data, config: TINY, steps: 3}", r"job 0 \(a\) has unknown key\(s\) \['steps'\]"),
+    ("- {run: data, config: TINY}", r"job 0: every stage needs a `name`"),
+    ("- {name: a, run: data, config: TINY, set: [train.data_dir=x]}", r"job 0 \(a\): `set` must not set "
+                                                                      r"train.data_dir"),
+    ("- {name: d, run: data, config: TINY}\n- {name: d, run: data, config: TINY}",
+     r"two stages are named 'd' \(jobs 0 and 1\)"),
+    ("- {name: d, run: data, config: TINY}\n- {name: t, run: train, config: TINY, data: [d], init_from: x}",
+     r"stage t \(job 1\): `init_from` names 'x', which is no stage of the recipe \(d, t\)"),
+    ("- {name: d, run: data, config: TINY}\n- {name: t, run: train, config: TINY, data: [d], init_from: u}\n"
+     "- {name: u, run: train, config: TINY, data: [d]}", r"stage t \(job 1\): `init_from` names 'u', which comes "
+                                                         r"later \(job 2\)"),
+    ("- {name: d, run: data, config: TINY}\n- {name: t, run: train, config: TINY, data: [d], init_from: u}\n"
+     "- {name: u, run: train, config: TINY, data: [d], init_from: t}", r"cycle \(t -> u -> t\)"),
+    ("- {name: d, run: data, config: TINY}\n- {name: t, run: train, config: TINY, data: [d], init_from: t}",
+     r"cycle \(t -> t\)"),
+    ("- {name: d, run: data, config: TINY}\n- {name: t, run: train, config: TINY, data: [d]}\n"
+     "- {name: u, run: train, config: TINY, data: [t]}", r"stage u \(job 2\): `data` names 't', a train stage; "
+                                                         r"`data` takes a data stage"),
+    ("- {name: d, run: data, config: TINY}\n- {name: c, run: card, eval: d}", r"stage c \(job 1\): `eval` names "
+                                                                              r"'d', a data stage"),
+    ("- {name: t, run: train, config: TINY, data: []}", r"job 0 \(t\): `data` must name the data stage"),
+    ("- {name: e, run: eval, config: TINY, drafter: x, nodes: 0}", r"job 0 \(e\): `nodes` .* >= 1"),
+]
+
+
+@pytest.mark.parametrize("jobs,message", BAD)
+def test_a_bad_recipe_is_an_error_naming_the_stage(tmp_path, jobs, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"out: {tmp_path / 'out'}\njobs:\n" + "\n".join("  " + line for line in
+                                                                    jobs.replace("TINY", TINY).split("\n")))
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(str(path))
+
+
+def test_bad_flags_and_unfinished_inputs(tmp_path):
+    eval_config(tmp_path)
+    path = write(tmp_path / "r.yaml", tiny_recipe(tmp_path))
+    with pytest.raises(RecipeError, match="--until zz: the recipe has no such stage"):
+        run_recipe(path, Calls(), until="zz")
+    with pytest.raises(RecipeError, match=r"--only card: the stage\(s\) it reads are not finished \(eval\)"):
+        run_recipe(path, Calls(), only="card", log=lambda _: None)
+    with pytest.raises(RecipeError, match="jobs` must be a non-empty list"):
+        load_recipe(write(tmp_path / "empty.yaml", {"jobs": []}))
+    assert cli.main(["train", TINY, "--stop-at-step", "0"]) == 2  # a clear error, not a run
+
+
+def test_the_shipped_recipe_loads_and_its_last_stage_is_the_shipped_drafters_config(tmp_path):
+    recipe = load_recipe(str(SHIPPED))
+    recipe["out"] = str(tmp_path)
+    stages = plan(recipe)
+    assert [s["job"]["run"] for s in stages].count("train") == 9 and all(s["state"] == "to run" for s in stages)
+    assert [j["name"] for j in lineage(recipe, "magpie_s31")] == [
+        "mix", "self_s9", "self_s10", "self_s23", "greedy", "greedy_s27", "completion_s30", "magpie", "magpie_s31"]
+    last = next(s for s in stages if s["job"]["name"] == "magpie_s31")["record"]["config"]
+    shipped = yaml.safe_load((REPO / "drafters" / "trained" / "dspark_smollm2_mix" / "config.yaml").read_text())
+    expected = flatten_config({k: shipped[k] for k in ("train", "drafter", "sampling", "generation", "model", "data")})
+    wired = ("train.data_dir", "train.more_data", "train.init_from")  # the recipe's own paths
+    compared = [k for k in expected if not k.startswith(wired)]
+    assert len(compared) >= 50
+    for key in compared:
+        assert last[key] == expected[key], key
+    mix = next(s for s in stages if s["job"]["name"] == "mix")
+    assert mix["job"]["stop_at"] == 606 and mix["record"]["config"]["train.steps"] == 4000
