@@ -386,9 +386,10 @@ def cmd_train(args) -> int:
         print(f"  expected tau (k={final['draft_len']}, T=1) {was('expected_tau')}{final['expected_tau']:.4f}")
         print(f"  greedy tau               {was('greedy_tau')}{final['greedy_tau']:.4f}")
         print(f"  acceptance by step       {final['acceptance_by_step']}")
+        print(f"  greedy acceptance        {final['greedy_acceptance_by_step']}")
     for name, ev in ((final or {}).get("sets") or {}).items():
         print(f"  {name}: expected tau {ev['expected_tau']:.4f}, greedy tau {ev['greedy_tau']:.4f}, acceptance by "
-              f"step {ev['acceptance_by_step']}")
+              f"step {ev['acceptance_by_step']}, greedy {ev['greedy_acceptance_by_step']}")
     print(f"  use it: drafter.name={task.name} drafter.path={run_dir}")
     return 0
 

@@ -445,6 +445,7 @@ class Run:
         return {"loss": float(sums["loss"]) / n_batches, "expected_tau": float(sums["tau"]) / slots,
                 "greedy_tau": float(sums["greedy_tau"]) / slots,
                 "acceptance_by_step": [round(float(a) / slots, 4) for a in sums["alpha"]],
+                "greedy_acceptance_by_step": [round(float(a) / slots, 4) for a in sums["match"]],
                 "slots": int(sums["slots"]), "draft_len": spec.eval_steps}
 
     def evaluate(self, state: TrainState, step: int) -> dict | None:

@@ -208,13 +208,16 @@ def slot_valid(batch: dict, num_steps: int, min_slot: int = 1) -> jax.Array:
 
 def expected_tau_sums(ev: DraftEval, valid: jax.Array) -> dict[str, jax.Array]:
     """Sums over valid slots (the loop divides by `slots`): expected tau (temperature 1), greedy tau (the
-    accepted length if drafting and verification were both argmax), and per-step conditional acceptance."""
+    accepted length if drafting and verification were both argmax), and per step the conditional acceptance
+    (alpha) and the argmax agreement (`match`: at step 0, the first draft's greedy acceptance)."""
     v = valid.astype(jnp.float32)
     surv = jnp.cumprod(ev.alpha, axis=-1)  # prod_{i<=k} alpha_i
-    greedy = jnp.cumprod(ev.match.astype(jnp.float32), axis=-1)
+    match = ev.match.astype(jnp.float32)
+    greedy = jnp.cumprod(match, axis=-1)
     return {"slots": jnp.sum(v), "tau": jnp.sum((1.0 + jnp.sum(surv, -1)) * v),
             "greedy_tau": jnp.sum((1.0 + jnp.sum(greedy, -1)) * v),
-            "alpha": jnp.sum(ev.alpha * v[..., None], axis=(0, 1))}
+            "alpha": jnp.sum(ev.alpha * v[..., None], axis=(0, 1)),
+            "match": jnp.sum(match * v[..., None], axis=(0, 1))}
 
 
 def tree_size(tree: Any) -> int:
