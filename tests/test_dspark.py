@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from drafters import create_drafter, dflash, dspark
+from specdec import trees
 from specdec.config import TrainConfig, load_config
 from specdec.engine import speculative_generate
 from specdec.generate import generate
@@ -458,15 +459,7 @@ def test_toy_two_phrases_tree_covers_both_phrases(toy_runs):
     assert tau_tree >= 1.1 * tau_chain, (tau_chain, tau_tree)  # measured: 5.89 -> 7.01
 
 
-class _WithReplacementQ(dspark.DSparkDrafter):
-    """A mutant: each sampled sibling claims plain q, though it was drawn without its earlier siblings."""
-
-    @staticmethod
-    def without_earlier_draws(q, earlier):
-        return q
-
-
-def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings():
+def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings(monkeypatch):
     """Above temperature 0 a DSpark tree is sampled: a fixed best-first shape (`trees.rank_prior_tree`), each
     node's children drawn without replacement. Through the engine the joint law of 9 tokens at T=0.7 with top-k
     and top-p equals the exact one (`assert_lossless`), from a reduced draft vocabulary (5 of 8 ids) whose top-k
@@ -487,8 +480,14 @@ def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings():
     np.testing.assert_allclose(np.asarray(two.probs)[:, [0, 1, 2, 4, 5]].sum(-1), 1.0, rtol=1e-5)
     counts, impossible, m = sampled_joint(small, tree, "multidraft_tree")
     assert_lossless(counts, impossible, m)
-    mutant = make(_WithReplacementQ, tree_accept=0.5)
-    assert_biased(*sampled_joint(small, mutant, "multidraft_tree")[:2])
+    # the mutant: each sampled sibling claims plain q, though it was drawn without its earlier siblings
+    monkeypatch.setattr(trees, "without_earlier_draws", lambda q, earlier: q)
+    jax.clear_caches()  # the compiled loop would otherwise reuse the correct code
+    try:
+        biased = sampled_joint(small, make(dspark.DSparkDrafter, tree_accept=0.5), "multidraft_tree")
+    finally:
+        jax.clear_caches()
+    assert_biased(*biased[:2])
 
 
 def test_a_deeper_block_drafter_grows_from_a_trained_shallower_one(tmp_path):
