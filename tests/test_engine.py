@@ -380,28 +380,6 @@ def test_sampled_speculative_output_matches_target_distribution(drafter_name, po
     assert_lossless(*sampled_joint(target, distribution_drafter(drafter_name, target), policy))
 
 
-def test_deep_sampled_dynamic_tree_is_lossless_and_one_cut_over_all_levels_is_not(monkeypatch):
-    """A self-speculation tree of 6 nodes, top-k 2, depth 3, sampled (T = 0.7, top-k 3, top-p 0.9): every node's
-    children drawn without replacement with the target's noise at their position, kept level by level
-    (`trees.level_quotas`: 2, 3, 1). Through multidraft_tree the joint law equals the exact one. The negative
-    control: the same tree cut once over all levels (the temperature-0 rule; every quota unbounded), where a
-    deeper candidate scored by q at a cousin's draw, correlated with a node's own draw through the shared noise,
-    decides whether the node exists: biased."""
-    from specdec import trees
-
-    target = distribution_target()
-    tree = create_drafter("self_spec", target, 6, num_layers=1, tree_top_k=2, tree_depth=3)
-    assert trees.level_quotas(6, 2, 3) == (2, 3, 1)
-    assert_lossless(*sampled_joint(target, tree, "multidraft_tree"))
-    monkeypatch.setattr(trees, "level_quotas", lambda n, k, depth, accept: (k,) + (k * k,) * (depth - 1))
-    jax.clear_caches()  # the compiled loop would otherwise reuse the correct code
-    try:
-        counts, impossible, _ = sampled_joint(target, tree, "multidraft_tree")
-    finally:
-        jax.clear_caches()
-    assert_biased(counts, impossible)
-
-
 def q_without_top_p(logits, sampling):
     """A subtly wrong draft q: temperature and top-k applied, top-p forgotten (the drafted token is still
     sampled with all three). The q the verifier divides by is then off on the tokens top-p removes."""
