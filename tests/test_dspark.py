@@ -413,15 +413,17 @@ class _RankedByItsDraw(dspark.DSparkDrafter):
 
 
 def test_dynamic_sampled_tree_is_lossless_and_ranking_by_the_draw_is_not():
-    """tree_sampling="dynamic": the temperature-0 tree's growth (expand the best nodes, keep the best N) with
-    children drawn without replacement and ranked by the sorted q at their parent, so the shape adapts to q
-    row by row yet no node's existence depends on its own draw. Through the engine the joint law of 9 tokens at
-    T=0.7 with top-k / top-p equals the exact one; the mutant that ranks each child by the q of what it drew is
+    """tree_sampling="dynamic": the temperature-0 tree's growth (expand the best nodes) with children drawn
+    without replacement and ranked by the sorted q at their parent, kept level by level (quotas 2, 3, 1 from
+    tree_accept 0.8), so the shape adapts to q row by row yet no node's existence depends on its own draw.
+    Through the engine the joint law of 9 tokens at T=0.7 with top-k / top-p equals the exact one; the mutant
+    that ranks each child by the q of what it drew (already at depth 1, which keeps 2 of 3 candidates) is
     biased and the check sees it; a top-k = 2 cut leaves no valid rank-2 child."""
     from specdec.testing import assert_biased, assert_lossless, sampled_joint
 
     small, make = sampled_tree_drafters()
-    make = functools.partial(make, tree_sampling="dynamic")
+    make = functools.partial(make, tree_sampling="dynamic", tree_accept=0.8)
+    assert trees.level_quotas(6, 3, 3, 0.8) == (2, 3, 1)
     tree = make(dspark.DSparkDrafter)
     assert tree.describe()["tree_sampling"] == "dynamic"
     hidden = jnp.asarray(np.random.default_rng(4).standard_normal((64, 3, small.cfg.hidden_size)), jnp.float32)
