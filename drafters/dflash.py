@@ -52,7 +52,7 @@ from specdec.drafter import (Draft, Drafter, PromptInfo, RoundContext, catch_up_
 from specdec.models import transformer
 from specdec.export.registry import register_architecture
 from specdec.models.config import ModelConfig
-from specdec.sampling import gumbel_noise, probabilities, sample_with_probs
+from specdec.sampling import probabilities, sample_with_probs
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained, register_draft_vocab_axes, slice_draft_vocab
 
@@ -634,7 +634,7 @@ class DFlashDrafter(Drafter):
         temperature 0; above it `sample_tree` (fixed shape), or with `tree_sampling: dynamic` this growth with
         sampled children (`sampling`, `key`: `sampled_children`), or with `tree_accept: 0` these picks (whose
         node accepts only the target's mass on its top-k picks). The nodes come best first (highest cumulative
-        draft log-prob): the adaptive verify width may cut the tree anywhere."""
+        draft log-prob; a sampled tree's level by level): the adaptive verify width may cut the tree anywhere."""
         k = self.top_k
         u = self.head_logits(params, hidden)  # [B, D, Vd]: the logits of every depth, before any previous token
 
@@ -648,32 +648,20 @@ class DFlashDrafter(Drafter):
         draw = None if sampling is None else self.sampled_children(sampling, key, params.get("d2t"))
         draft = trees.grow_dynamic_tree(root_logits, expand, k, self.depth, self.num_draft_tokens,
                                         to_target=lambda ids: draft_to_target(ids, params.get("d2t")),
-                                        best_first=True, draw=draw)
+                                        best_first=True, draw=draw, prior_accept=self.tree_accept or TREE_ACCEPT)
         if draft.probs is None:
             return draft
         probs = draft_probs_to_target(draft.probs, params.get("d2t"), self.arch.cfg.vocab_size)
         return dataclasses.replace(draft, probs=probs)
 
     def sampled_children(self, sampling, key, d2t=None):
-        """`grow_dynamic_tree`'s `draw` for a SAMPLED dynamic tree: each expanded node's `top_k` children drawn
-        WITHOUT replacement from q (Gumbel top-k, in draw order), the rank-r child carrying q less its r earlier
-        siblings (as in `sample_tree`). Each child is ranked by the r-th largest q at its parent, not by what it
-        drew: then no node's existence depends on its own draw, its later siblings' or its subtree's (a child
-        scores at most its parent and its earlier siblings, ties going to the lower index), only on the draws
-        above it and beside it, and multidraft_tree's recursive rejection stays exact while the shape follows
-        q from row to row (a flat q gets siblings, a peaked one a deeper spine). A level's children draw with the
-        target's noise at their position (`node_noise`; `d2t`: the draft vocabulary's target ids)."""
-        k = self.top_k
-
-        def draw(logits, level):  # the children of the level's frontier: the tokens at offset `level`
-            q = probabilities(logits, sampling)  # [B, n, Vd]
-            logq, drawn_score, ids = self.draw_without_replacement(q, k, self.node_noise(key, level, q, d2t))
-            ranked = jax.lax.top_k(logq, k)[0]  # the score of the rank-r child, whatever it drew
-            valid = drawn_score > -jnp.inf  # q had a token left to draw
-            dists = jnp.stack([self.without_earlier_draws(q, ids[..., :r]) for r in range(k)], axis=-2)
-            return jnp.where(valid, ranked, -jnp.inf), ids, dists, valid
-
-        return draw
+        """`grow_dynamic_tree`'s `draw` for a SAMPLED dynamic tree (`trees.sampled_children`): each expanded
+        node's `top_k` children drawn without replacement from q with the target's noise at their position,
+        each ranked by the r-th largest q at its parent, not by what it drew, and kept level by level to the
+        depth profile of `tree_accept` (`trees.grow_dynamic_tree`), so multidraft_tree's recursive rejection
+        stays exact while the shape follows q from row to row (a flat q gets siblings, a peaked one a deeper
+        spine). `d2t`: the draft vocabulary's target ids."""
+        return trees.sampled_children(sampling, key, self.top_k, d2t)
 
     def sample_tree(self, params, hidden, root, sampling, key) -> Draft:
         """A SAMPLED token tree (temperature > 0) from the same block forward: the fixed shape
@@ -686,8 +674,9 @@ class DFlashDrafter(Drafter):
         top-p), the rank-r child and its subtree are invalid. At temperature 1 with 7 nodes (a DSpark
         shipped earlier) it measured mean engine tau 1.57 against the top-k tree's 1.48 and the chain's 1.47 (a
         deeper spine, accept 0.65 at depth 4: also 1.57). On tests/test_dspark.py's two-phrase language the top-k
-        tree wins (6.99 against this shape's 4.70 and the dynamic sampled tree's 6.10, means of 3 seeds): a shape
-        that follows the scores reaches into both phrases, a fixed one cannot (docs/TRAINING.md)."""
+        tree wins (6.99 against this shape's 4.70, means of 3 seeds; the dynamic sampled tree reached 6.10 with one
+        cut over all levels, a cut `trees.grow_dynamic_tree` shows to be biased): a shape that follows the scores
+        reaches into both phrases, a fixed one cannot (docs/TRAINING.md)."""
         shape, d2t = self.sampled_shape, params.get("d2t")
         u = self.head_logits(params, hidden)  # [B, D, Vd]
         tokens, dists, valid = [None] * shape.num_nodes, [None] * shape.num_nodes, [None] * shape.num_nodes
@@ -698,44 +687,20 @@ class DFlashDrafter(Drafter):
             u_d = jnp.broadcast_to(u[:, d - 1:d], (u.shape[0], len(parents), u.shape[-1]))
             q = probabilities(self.next_logits(params, u_d, prev), sampling)  # [B, P, Vd]
             ranks = int(shape.rank[nodes].max()) + 1
-            _, drawn_score, drawn = self.draw_without_replacement(  # [B, P, ranks]
-                q, ranks, self.node_noise(key, d - 1, q, d2t))
+            offsets = jnp.full((q.shape[0], 1), d - 1, jnp.int32)  # every parent's children share the noise
+            drawn, laws, drawn_valid = trees.draw_children(  # [B, P, ranks]
+                q, ranks, trees.draft_noise(key, offsets, q.shape[-1], d2t))
             for i in nodes:
                 parent, r = int(shape.parents[i]), int(shape.rank[i])
                 j = parents.index(parent)
-                dists[i] = self.without_earlier_draws(q[:, j], drawn[:, j, :r])
+                dists[i] = laws[:, j, r]
                 tokens[i] = draft_to_target(drawn[:, j, r], d2t)
-                valid[i] = drawn_score[:, j, r] > -jnp.inf  # q had a token left to draw
+                valid[i] = drawn_valid[:, j, r]  # q had a token left to draw
                 if parent >= 0:
                     valid[i] = valid[i] & valid[parent]
         probs = draft_probs_to_target(jnp.stack(dists, axis=1), d2t, self.arch.cfg.vocab_size)
         return Draft.tree(jnp.stack(tokens, axis=1), shape.batched_parents(root.shape[0]), probs=probs,
                           valid=jnp.stack(valid, axis=1))
-
-    @staticmethod
-    def node_noise(key, offset: int, q: jax.Array, d2t) -> jax.Array:
-        """The target's Gumbel noise [B, 1, Vd] at `offset` (the depth of the children drawn, minus 1) for the
-        draft vocabulary's tokens: every node's children at one depth share it, so the first child is the
-        coupled draw of Gumbel-max and the next ones are the next argmaxes (list matching)."""
-        ids = jnp.arange(q.shape[-1], dtype=jnp.int32) if d2t is None else d2t
-        return gumbel_noise(key, jnp.full((q.shape[0], 1), offset, jnp.int32), ids)
-
-    @staticmethod
-    def draw_without_replacement(q: jax.Array, k: int, gumbel: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`k` tokens drawn without replacement from q [..., V] by the Gumbel-top-k trick with the noise `gumbel`
-        (broadcast to q's shape), in draw order: (log q, the draws' perturbed scores [..., k] (-inf: q had no
-        token left to draw), their ids [..., k])."""
-        logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
-        scores, ids = jax.lax.top_k(logq + gumbel, k)
-        return logq, scores, ids
-
-    @staticmethod
-    def without_earlier_draws(q: jax.Array, earlier: jax.Array) -> jax.Array:
-        """q [..., V] with the tokens `earlier` [..., r] already drawn removed and renormalised (zeros when
-        nothing is left): the distribution the next draw without replacement comes from."""
-        left = q * (1.0 - jnp.sum(jax.nn.one_hot(earlier, q.shape[-1], dtype=q.dtype), axis=-2))
-        total = jnp.sum(left, axis=-1, keepdims=True)
-        return left / jnp.where(total > 0, total, 1.0)
 
     def draft_confidence(self, state: BlockState) -> jax.Array:
         """[B, k] non-increasing prefix survival estimates of the last proposal (see specdec.scheduling).

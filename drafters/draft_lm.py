@@ -130,7 +130,11 @@ class DraftLMTreeDrafter(DraftLMDrafter):
     children per expanded node, `depth` levels, the `num_draft_tokens` best candidates kept.
 
     Each level runs the draft model once over every node expanded so far, with their ancestor mask; the draft
-    cache keeps only committed tokens, so nothing needs undoing. The draft is deterministic (top-k picks).
+    cache keeps only committed tokens, so nothing needs undoing. At temperature 0 the children are top-k picks
+    (a deterministic draft). Above it they are drawn without replacement from q with the target's noise at
+    their position (`trees.sampled_children`): a node's first child is the coupled draw the invariant policies
+    accept (the target's own sample when q = p), and each child carries q less its earlier siblings, which
+    multidraft_tree's recursive rejection divides by.
     """
 
     kind = "tree"
@@ -153,7 +157,8 @@ class DraftLMTreeDrafter(DraftLMDrafter):
                                       logits_at=jnp.broadcast_to(jnp.arange(width - k, width), (batch, k)))
             return out.logits, None
 
-        return trees.grow_dynamic_tree(root_logits, expand, k, self.depth, self.num_draft_tokens), committed
+        draw = None if sampling.greedy else trees.sampled_children(sampling, key, k)
+        return trees.grow_dynamic_tree(root_logits, expand, k, self.depth, self.num_draft_tokens, draw=draw), committed
 
     def describe(self):
         return {**super().describe(), "tree_top_k": self.top_k, "tree_depth": self.depth}

@@ -439,7 +439,9 @@ class Eagle3TreeDrafter(Eagle3Drafter):
     """EAGLE-3 growing an EAGLE-2 dynamic tree (`specdec.trees.grow_dynamic_tree`): `top_k` children per
     expanded node, `depth` levels, the `num_draft_tokens` best candidates kept. A node's input feature is its
     parent's output; every level re-runs all expanded nodes with their ancestor mask (the cache keeps only
-    committed positions). Candidates are top-k picks (deterministic drafts: probs=None)."""
+    committed positions). At temperature 0 the candidates are top-k picks (deterministic drafts: probs=None);
+    above it each node's children are drawn without replacement from q with the target's noise at their
+    position (`trees.sampled_children`, as the draft LM's tree), each carrying q less its earlier siblings."""
 
     kind = "tree"
 
@@ -462,8 +464,13 @@ class Eagle3TreeDrafter(Eagle3Drafter):
             return self._logits(params, front_h), front_h
 
         root_inputs = jnp.broadcast_to(h_root[:, None], (h_root.shape[0], k, h_root.shape[-1]))
+        d2t = params.get("d2t")
+        draw = None if sampling.greedy else trees.sampled_children(sampling, key, k, d2t)
         draft = trees.grow_dynamic_tree(self._logits(params, h_root), expand, k, self.depth, self.num_draft_tokens,
-                                        root_inputs=root_inputs, to_target=lambda ids: self._to_target(params, ids))
+                                        root_inputs=root_inputs, to_target=lambda ids: self._to_target(params, ids),
+                                        draw=draw)
+        if draft.probs is not None:  # q over the draft vocabulary, as the target's
+            draft = dataclasses.replace(draft, probs=draft_probs_to_target(draft.probs, d2t, self.arch.cfg.vocab_size))
         return draft, state
 
     def describe(self):

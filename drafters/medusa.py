@@ -16,8 +16,10 @@ root (the bonus token), so head k predicts the k-th token after the root. In the
 
 Inference: chain = head k's top-1 (greedy) or a sample from it (with its distribution: lossless rejection
 sampling, since head k's draft does not depend on earlier drafts) for k = 1..N; static tree = `tree_paths`
-(Medusa "choices"), node [r1, ..., rd] = the rank-rd candidate of head d (deterministic: probs None), for
-greedy_tree, multidraft_tree or typical acceptance.
+(Medusa "choices"), node [r1, ..., rd] = the rank-rd candidate of head d: at temperature 0 head d's rd-th most
+likely token (deterministic: probs None), above it head d's rd-th draw without replacement with the target's
+noise at the node's position (the coupled draw first, each draw carrying q less the earlier ones), for
+greedy_tree, multidraft_tree, the invariant policies or typical acceptance.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from drafters import register
 from specdec import trees
 from specdec.drafter import Draft, Drafter, PromptInfo, RoundContext
 from specdec.models import transformer
-from specdec.sampling import sample_with_probs
+from specdec.sampling import probabilities, sample_with_probs
 from specdec.train import tasks as T
 from specdec.train.checkpoint import load_trained
 
@@ -205,7 +207,8 @@ class MedusaDrafter(Drafter):
 
 
 class MedusaTreeDrafter(MedusaDrafter):
-    """Medusa with a static tree: node [r1, ..., rd] is the rank-rd candidate of head d."""
+    """Medusa with a static tree: node [r1, ..., rd] is the rank-rd candidate of head d (its rd-th most likely
+    token at temperature 0, its rd-th draw without replacement above it)."""
 
     kind = "tree"
 
@@ -220,9 +223,21 @@ class MedusaTreeDrafter(MedusaDrafter):
         tree = self.tree
         topk = max(tree.topk_per_depth)
         logits = self.heads(params, last)[:, : tree.max_depth]  # [B, D, V]
-        _, cand = jax.lax.top_k(logits, topk)  # [B, D, topk]
-        tokens = cand[:, jnp.asarray(tree.depth - 1), jnp.asarray(tree.rank)]  # [B, N]
-        return Draft.tree(tokens, tree.batched_parents(tokens.shape[0])), last
+        depth, rank = jnp.asarray(tree.depth - 1), jnp.asarray(tree.rank)
+        parents = tree.batched_parents(logits.shape[0])
+        if sampling.greedy:
+            _, cand = jax.lax.top_k(logits, topk)  # [B, D, topk]
+            return Draft.tree(cand[:, depth, rank], parents), last
+        # Head d's candidates are drawn without replacement from its q with the target's noise at offset d - 1, in
+        # draw order; head d's q does not read the path, so every node of depth d - 1 has the same children.
+        q = probabilities(logits, sampling)
+        offsets = jnp.broadcast_to(jnp.arange(tree.max_depth, dtype=jnp.int32), q.shape[:2])
+        ids, laws, drawn = trees.draw_children(q, topk, trees.draft_noise(key, offsets, q.shape[-1]))
+        own = drawn[:, depth, rank]  # [B, N] q had a token left for the node's rank
+        valid = []
+        for i, parent in enumerate(tree.parents):  # a node exists if its parent does (parents come first)
+            valid.append(own[:, i] if parent < 0 else own[:, i] & valid[parent])
+        return Draft.tree(ids[:, depth, rank], parents, probs=laws[:, depth, rank], valid=jnp.stack(valid, 1)), last
 
     def describe(self):
         return {**super().describe(), "tree_nodes": self.tree.num_nodes}

@@ -216,7 +216,8 @@ class Drafter:
         `specdec.sampling.SampleKey` whose offset 0 is the position after the root (ctx.seq_len); a drafter that
         samples draws a node at depth d with `sampling.sample_with_probs(key, logits, sampling, d - 1)`, i.e.
         Gumbel-max on its q with the target's noise at that position, so the invariant policies accept it
-        whenever it is the target's own sample there."""
+        whenever it is the target's own sample there; a tree drafter draws a node's children without replacement
+        with that noise (`specdec.trees.draw_children`), the first child being that same coupled draw."""
         raise NotImplementedError
 
     def draft_confidence(self, state) -> jax.Array:

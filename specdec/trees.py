@@ -1,5 +1,6 @@
-"""Token trees: static tree shapes, the tree attention mask, dynamic (EAGLE-2) tree selection, and KV-cache
-compaction after a tree verify.
+"""Token trees: static tree shapes, the tree attention mask, dynamic (EAGLE-2) tree selection, the drawing of
+sampled trees (each node's children drawn without replacement with the target's noise at their position, so the
+first child is the coupled sample the invariant policies accept), and KV-cache compaction after a tree verify.
 
 Conventions (shared with `specdec.drafter.Draft` and `specdec.models.transformer.forward`):
 - A tree of N nodes hangs below a root, the last committed token. Node i has a parent index in [-1, i): -1 is
@@ -15,6 +16,8 @@ Conventions (shared with `specdec.drafter.Draft` and `specdec.models.transformer
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -23,6 +26,7 @@ import numpy as np
 
 from specdec.drafter import Draft
 from specdec.models.transformer import KVCache
+from specdec.sampling import SamplingParams, gumbel_noise, probabilities
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -110,6 +114,33 @@ def tree_from_paths(paths: Sequence[Sequence[int]], keep_order: bool = False) ->
     return StaticTree(paths=tuple(ordered), parents=parents, depth=depth, rank=rank)
 
 
+def _prior_value(accept: float) -> Callable:
+    log_hit, log_miss = float(np.log(accept)), float(np.log1p(-accept))
+    return lambda path: sum(log_hit + r * log_miss for r in path)  # the log of a rank path's prior value
+
+
+def _prior_order(top_k: int, depth: int, accept: float):
+    """Every rank path (ranks < `top_k`, at most `depth` long) in falling prior value (`rank_prior_tree`): each
+    after its parent and its lower-ranked siblings. Ties: shallower first, then by ranks."""
+    value = _prior_value(accept)
+    heap = [(-value((r,)), 1, (r,)) for r in range(top_k)]
+    heapq.heapify(heap)
+    while heap:
+        _, length, path = heapq.heappop(heap)
+        yield path
+        if length < depth:
+            for r in range(top_k):
+                child = path + (r,)
+                heapq.heappush(heap, (-value(child), length + 1, child))
+
+
+def _check_prior(num_nodes: int, top_k: int, depth: int, accept: float) -> None:
+    if num_nodes < 1 or top_k < 1 or depth < 1:
+        raise ValueError(f"a sampled tree needs num_nodes, top_k and depth >= 1, got {num_nodes}, {top_k}, {depth}")
+    if not 0.0 < accept < 1.0:
+        raise ValueError(f"a sampled tree's prior acceptance (tree_accept) must be in (0, 1), got {accept}")
+
+
 def rank_prior_tree(num_nodes: int, top_k: int, depth: int, accept: float = 0.5) -> StaticTree:
     """The fixed shape of a SAMPLED token tree: the `num_nodes` rank paths (ranks < `top_k`, at most `depth`
     long) of highest prior value, best first (Sequoia's tree under a position-independent acceptance vector).
@@ -124,24 +155,88 @@ def rank_prior_tree(num_nodes: int, top_k: int, depth: int, accept: float = 0.5)
     is topological with siblings in draw order, and every prefix is the best smaller tree
     (`Drafter.ordered_tree`). Ties: shallower first, then by ranks.
     """
-    if num_nodes < 1 or top_k < 1 or depth < 1:
-        raise ValueError(f"a sampled tree needs num_nodes, top_k and depth >= 1, got {num_nodes}, {top_k}, {depth}")
-    if not 0.0 < accept < 1.0:
-        raise ValueError(f"a sampled tree's prior acceptance (tree_accept) must be in (0, 1), got {accept}")
+    _check_prior(num_nodes, top_k, depth, accept)
     capacity = sum(top_k ** d for d in range(1, depth + 1))
     if num_nodes > capacity:
         raise ValueError(f"num_nodes={num_nodes} exceeds the {capacity} nodes of a tree of top_k={top_k}, "
                          f"depth={depth}")
-    log_hit, log_miss = float(np.log(accept)), float(np.log1p(-accept))
-    value = lambda path: sum(log_hit + r * log_miss for r in path)  # noqa: E731  (log of the prior value)
-    chosen, frontier = [], [(r,) for r in range(top_k)]
-    while len(chosen) < num_nodes:  # the best node whose parent is already in: values fall along paths
-        best = max(frontier, key=lambda p: (value(p), -len(p), tuple(-r for r in p)))
-        frontier.remove(best)
-        chosen.append(best)
-        if len(best) < depth:
-            frontier += [best + (r,) for r in range(top_k)]
-    return tree_from_paths(chosen, keep_order=True)
+    return tree_from_paths(list(itertools.islice(_prior_order(top_k, depth, accept), num_nodes)), keep_order=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampled trees: children drawn without replacement, coupled to the target's sample
+# ----------------------------------------------------------------------------------------------------------
+
+PRIOR_ACCEPT = 0.5  # the prior first-draw acceptance (`rank_prior_tree`) a sampled dynamic tree is shaped by
+
+
+def level_quotas(num_nodes: int, top_k: int, depth: int, accept: float = PRIOR_ACCEPT) -> tuple[int, ...]:
+    """How many nodes each depth 1..`depth` of a SAMPLED dynamic tree keeps (`grow_dynamic_tree` with `draw`):
+    the depth profile of `rank_prior_tree(num_nodes, top_k, depth, accept)`, each depth capped at what the
+    growth offers there (`top_k` children of each of the at most `top_k` nodes expanded at the depth above).
+    The quotas are fixed before any draw, so they say nothing about a draw."""
+    check_tree_budget(num_nodes, top_k, depth)
+    _check_prior(num_nodes, top_k, depth, accept)
+    counts = [1] + [0] * depth  # counts[0]: the root
+    for path in _prior_order(top_k, depth, accept):
+        if sum(counts) - 1 == num_nodes:
+            break
+        d = len(path)
+        if counts[d] < top_k * min(counts[d - 1], top_k):
+            counts[d] += 1
+    return tuple(counts[1:])
+
+
+def draft_noise(key, offsets: jax.Array, vocab_size: int, d2t: jax.Array | None = None) -> jax.Array:
+    """The target's Gumbel noise [B, ..., Vd] (`sampling.gumbel_noise`) at offsets int32 [B, ...] for the
+    Vd = `vocab_size` tokens of a draft vocabulary (`d2t` [Vd]: their target ids; None: the target's own), so
+    a drafter's draw gives each token the noise the target's own sample gives it at that position."""
+    ids = jnp.arange(vocab_size, dtype=jnp.int32) if d2t is None else d2t
+    return gumbel_noise(key, offsets, ids)
+
+
+def without_earlier_draws(q: jax.Array, earlier: jax.Array) -> jax.Array:
+    """q [..., V] with the tokens `earlier` [..., r] already drawn removed and renormalised (zeros when
+    nothing is left): the distribution the next draw without replacement comes from."""
+    left = q * (1.0 - jnp.sum(jax.nn.one_hot(earlier, q.shape[-1], dtype=q.dtype), axis=-2))
+    total = jnp.sum(left, axis=-1, keepdims=True)
+    return left / jnp.where(total > 0, total, 1.0)
+
+
+def draw_children(q: jax.Array, k: int, gumbel: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`k` children drawn WITHOUT replacement from q [..., V] by the Gumbel-top-k trick with the noise `gumbel`
+    (broadcast to q's shape), in draw order: their ids [..., k], the law each was drawn from [..., k, V] (q
+    with the earlier draws removed and renormalised: what multidraft_tree's recursive rejection must divide
+    by), and valid [..., k] (q had a token left to draw: top-k / top-p may leave fewer than k).
+
+    With the noise of the children's position (`draft_noise`) the first child is Gumbel-max on log q with the
+    target's noise there: the coupled draw, which is the target's own sample when q = p, and the next children
+    are the next argmaxes (list matching, OpenReview GJbrk55Bt8), so an invariant policy finds the target's
+    sample among them whenever it ranks high in q. The draws are taken on log q itself, so no token outside the
+    returned q (q = 0) is ever drawn."""
+    logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
+    scores, ids = jax.lax.top_k(logq + gumbel, k)
+    dists = jnp.stack([without_earlier_draws(q, ids[..., :r]) for r in range(k)], axis=-2)
+    return ids, dists, scores > -jnp.inf
+
+
+def sampled_children(sampling: SamplingParams, key, top_k: int, d2t: jax.Array | None = None) -> Callable:
+    """`grow_dynamic_tree`'s `draw` for a SAMPLED dynamic tree: each expanded node's `top_k` children drawn
+    without replacement from q at that node (`probabilities` of its logits) with the target's noise at their
+    position (`draw_children`; `d2t`: the draft vocabulary's target ids), the level's nodes sharing it. The
+    rank-r child is ranked by the r-th largest log q at its parent, not by what it drew: its score (and so
+    whether it is kept or expanded) does not depend on its own draw, and a child scores at most its parent
+    and its earlier siblings (ties go to the lower index)."""
+
+    def draw(logits, level):  # the children of the level's frontier: the tokens at offset `level`
+        q = probabilities(logits, sampling)  # [B, n, Vd]
+        offsets = jnp.full((q.shape[0], 1), level, jnp.int32)  # [B, 1]: every node of the level shares it
+        ids, dists, valid = draw_children(q, top_k, draft_noise(key, offsets, q.shape[-1], d2t))
+        logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
+        ranked = jax.lax.top_k(logq, top_k)[0]  # the score of the rank-r child, whatever it drew
+        return jnp.where(valid, ranked, -jnp.inf), ids, dists, valid
+
+    return draw
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -280,7 +375,7 @@ def select_dynamic_tree(tokens: jax.Array, parents: jax.Array, scores: jax.Array
 
 def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, depth: int, num_nodes: int,
                       root_inputs: Any = None, to_target: Callable | None = None, best_first: bool = False,
-                      draw: Callable | None = None) -> Draft:
+                      draw: Callable | None = None, prior_accept: float = PRIOR_ACCEPT) -> Draft:
     """EAGLE-2's dynamic tree, grown from a drafter's logits at the root [B, V]: expand the `top_k` best nodes
     of each depth by their `top_k` most likely children for `depth` levels, then keep the `num_nodes`
     candidates with the highest cumulative draft log-probability (`select_dynamic_tree`).
@@ -297,9 +392,19 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
 
     `draw(logits [B, n, V], level) -> (scores, ids, probs, valid)` replaces the top-k picks of every node's
     children: ids [B, n, k] the children's tokens, scores [B, n, k] their log-probs for the ranking, probs
-    [B, n, k, V] the distribution each was drawn from (None: picks), valid [B, n, k] (None: all). Children
-    sampled without replacement (`DFlashDrafter.sampled_children`) make it a SAMPLED dynamic tree; it
-    stays lossless if each child's score does not depend on its own draw (see there).
+    [B, n, k, V] the distribution each was drawn from, valid [B, n, k]. Children sampled without replacement
+    with the target's noise at their position (`sampled_children`) make it a SAMPLED dynamic tree, which keeps
+    its nodes level by level instead of by one cut over all levels: depth d keeps its best candidates by score,
+    as many as the depth profile of the fixed sampled tree gives it (`level_quotas` with `prior_accept`; quota
+    its candidates cannot fill, e.g. under top-p, passes to the next depth), and only kept nodes are expanded.
+    The nodes then come level by level (siblings in draw order), whatever `best_first`. Why: every node's
+    children at one depth are drawn with the same noise (the coupling), so cousins' draws are correlated, and a
+    candidate one level deeper is scored by q at its parent, which reads the parent's draw. One cut over all
+    levels would let a cousin's draw decide whether a node exists (or where a prefix cuts it off), so its
+    existence would tell something about its own draw, and multidraft_tree's test, which divides by the q it
+    was drawn from, would be biased. Level by level, whether and where a node exists depends only on the draws
+    above its depth and its earlier siblings' draws (which the q of a draw without replacement excludes), and
+    each child's score does not depend on its own draw (`sampled_children`).
     """
     k = top_k
     to_target = to_target or (lambda ids: ids)
@@ -310,11 +415,19 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
     front_score, front_ids = front_score[:, 0], front_ids[:, 0]
     front_tokens = to_target(front_ids)
     batch = front_tokens.shape[0]
+    rows = jnp.arange(batch)[:, None]
     front_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
     at_root = jnp.full((batch, k), -1, jnp.int32)
     cand_tokens, cand_parents, cand_scores = [front_tokens], [at_root], [front_score]
     cand_probs = None if front_probs is None else [front_probs[:, 0]]
     cand_valid = None if front_valid is None else [front_valid[:, 0]]
+    if not picks:  # a sampled tree's quota per depth: depth 1 keeps its best quota[0] existing candidates
+        quota = level_quotas(num_nodes, k, depth, prior_accept)
+        order_score, order = jax.lax.top_k(front_score, k)
+        kept = (jnp.arange(k) < quota[0]) & (order_score > -jnp.inf)
+        front_kept = jnp.zeros((batch, k), bool).at[rows, order].set(kept)  # [B, k] in candidate order
+        left = quota[0] - jnp.sum(kept, axis=1)  # [B] quota passed to the next depth
+        cand_valid[0] = front_kept
     exp_tokens, exp_parents, exp_inputs = front_tokens, at_root, root_inputs
     offset = k
     for level in range(1, depth):  # static loop over tree depth
@@ -322,16 +435,25 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
         logits, outputs = expand(exp_tokens, node_depth[:, 1:], mask[:, 1:, 1:], exp_inputs)
         width = exp_tokens.shape[1]
         child_score, child_ids, child_probs, child_valid = draw(logits, level)  # [B, k, k]
-        child_score = (front_score[:, :, None] + child_score).reshape(batch, k * k)
+        child_score = front_score[:, :, None] + child_score
+        if not picks:  # only kept nodes have children
+            child_score = jnp.where(front_kept[:, :, None], child_score, -jnp.inf)
+        child_score = child_score.reshape(batch, k * k)
         child_tokens = to_target(child_ids).reshape(batch, k * k)
         cand_tokens.append(child_tokens)
         cand_parents.append(jnp.repeat(front_cand, k, axis=1))
         cand_scores.append(child_score)
         if cand_probs is not None:
             cand_probs.append(child_probs.reshape(batch, k * k, -1))
-        if cand_valid is not None:
+        order_score, order = jax.lax.top_k(child_score, k * k)  # the level's candidates, best first
+        if not picks:  # the level keeps its best `quota` (+ what the level above left) candidates that exist
+            kept = (jnp.arange(k * k) < (quota[level] + left)[:, None]) & (order_score > -jnp.inf)
+            left = quota[level] + left - jnp.sum(kept, axis=1)
+            cand_valid.append(jnp.zeros((batch, k * k), bool).at[rows, order].set(kept))
+            front_kept = kept[:, :k]
+        elif cand_valid is not None:
             cand_valid.append(child_valid.reshape(batch, k * k))
-        front_score, pick = jax.lax.top_k(child_score, k)  # the next level expands the k best children
+        front_score, pick = order_score[:, :k], order[:, :k]  # the next level expands the k best children
         front_cand = (offset + pick).astype(jnp.int32)
         parent = pick // k  # among the frontier just expanded
         exp_tokens = jnp.concatenate([exp_tokens, jnp.take_along_axis(child_tokens, pick, 1)], 1)
@@ -342,7 +464,7 @@ def grow_dynamic_tree(root_logits: jax.Array, expand: Callable, top_k: int, dept
     cat = lambda parts: None if parts is None else jnp.concatenate(parts, 1)
     all_scores = cat(cand_scores)
     draft, chosen = select_dynamic_tree(cat(cand_tokens), cat(cand_parents), all_scores, num_nodes,
-                                        probs=cat(cand_probs), valid=cat(cand_valid), best_first=best_first)
+                                        probs=cat(cand_probs), valid=cat(cand_valid), best_first=best_first and picks)
     if not picks:
         return draft
     # top-k picks: each node's q at its parent's context (its path log-prob less its parent's), the drafter's

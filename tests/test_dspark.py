@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from drafters import create_drafter, dflash, dspark
+from specdec import trees
 from specdec.config import TrainConfig, load_config
 from specdec.engine import speculative_generate
 from specdec.generate import generate
@@ -412,15 +413,17 @@ class _RankedByItsDraw(dspark.DSparkDrafter):
 
 
 def test_dynamic_sampled_tree_is_lossless_and_ranking_by_the_draw_is_not():
-    """tree_sampling="dynamic": the temperature-0 tree's growth (expand the best nodes, keep the best N) with
-    children drawn without replacement and ranked by the sorted q at their parent, so the shape adapts to q
-    row by row yet no node's existence depends on its own draw. Through the engine the joint law of 9 tokens at
-    T=0.7 with top-k / top-p equals the exact one; the mutant that ranks each child by the q of what it drew is
+    """tree_sampling="dynamic": the temperature-0 tree's growth (expand the best nodes) with children drawn
+    without replacement and ranked by the sorted q at their parent, kept level by level (quotas 2, 3, 1 from
+    tree_accept 0.8), so the shape adapts to q row by row yet no node's existence depends on its own draw.
+    Through the engine the joint law of 9 tokens at T=0.7 with top-k / top-p equals the exact one; the mutant
+    that ranks each child by the q of what it drew (already at depth 1, which keeps 2 of 3 candidates) is
     biased and the check sees it; a top-k = 2 cut leaves no valid rank-2 child."""
     from specdec.testing import assert_biased, assert_lossless, sampled_joint
 
     small, make = sampled_tree_drafters()
-    make = functools.partial(make, tree_sampling="dynamic")
+    make = functools.partial(make, tree_sampling="dynamic", tree_accept=0.8)
+    assert trees.level_quotas(6, 3, 3, 0.8) == (2, 3, 1)
     tree = make(dspark.DSparkDrafter)
     assert tree.describe()["tree_sampling"] == "dynamic"
     hidden = jnp.asarray(np.random.default_rng(4).standard_normal((64, 3, small.cfg.hidden_size)), jnp.float32)
@@ -458,15 +461,7 @@ def test_toy_two_phrases_tree_covers_both_phrases(toy_runs):
     assert tau_tree >= 1.1 * tau_chain, (tau_chain, tau_tree)  # measured: 5.89 -> 7.01
 
 
-class _WithReplacementQ(dspark.DSparkDrafter):
-    """A mutant: each sampled sibling claims plain q, though it was drawn without its earlier siblings."""
-
-    @staticmethod
-    def without_earlier_draws(q, earlier):
-        return q
-
-
-def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings():
+def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings(monkeypatch):
     """Above temperature 0 a DSpark tree is sampled: a fixed best-first shape (`trees.rank_prior_tree`), each
     node's children drawn without replacement. Through the engine the joint law of 9 tokens at T=0.7 with top-k
     and top-p equals the exact one (`assert_lossless`), from a reduced draft vocabulary (5 of 8 ids) whose top-k
@@ -487,8 +482,14 @@ def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings():
     np.testing.assert_allclose(np.asarray(two.probs)[:, [0, 1, 2, 4, 5]].sum(-1), 1.0, rtol=1e-5)
     counts, impossible, m = sampled_joint(small, tree, "multidraft_tree")
     assert_lossless(counts, impossible, m)
-    mutant = make(_WithReplacementQ, tree_accept=0.5)
-    assert_biased(*sampled_joint(small, mutant, "multidraft_tree")[:2])
+    # the mutant: each sampled sibling claims plain q, though it was drawn without its earlier siblings
+    monkeypatch.setattr(trees, "without_earlier_draws", lambda q, earlier: q)
+    jax.clear_caches()  # the compiled loop would otherwise reuse the correct code
+    try:
+        biased = sampled_joint(small, make(dspark.DSparkDrafter, tree_accept=0.5), "multidraft_tree")
+    finally:
+        jax.clear_caches()
+    assert_biased(*biased[:2])
 
 
 def test_a_deeper_block_drafter_grows_from_a_trained_shallower_one(tmp_path):

@@ -1,7 +1,8 @@
 """EAGLE-3: the training-time test computes exactly the logits the engine's drafting path computes (steps
 0..2, after prefill and after a verify round with a partial acceptance, ragged batch, reduced vocabulary),
 the loss's labels line up with an independent computation through the inference path, and the dynamic tree
-drafter is lossless inside the compiled loop (the trained chain drafter's greedy equality is in test_train)."""
+drafter is lossless inside the compiled loop, greedy and sampled (the trained chain drafter's greedy equality is
+in test_train)."""
 
 import functools
 
@@ -188,6 +189,20 @@ def test_greedy_eagle3_dynamic_tree_equals_ar(target):
     ar = generate(target, PROMPTS, max_new_tokens=17)
     out = speculative_generate(target, tree, PROMPTS, policy="greedy_tree", max_new_tokens=17)
     assert out.tokens == ar.tokens
+
+
+def test_sampled_eagle3_tree_is_lossless():
+    """Above temperature 0 EAGLE-3's dynamic tree is sampled (`trees.sampled_children`: children drawn without
+    replacement with the target's noise, kept level by level), from a reduced draft vocabulary (5 of 8 ids, q
+    mapped back to target ids): through the engine, multidraft_tree's output law equals the exact one
+    (`assert_lossless`, T = 0.7 with top-k 3 and top-p 0.9), with a depth-3 tree whose node q reads its path."""
+    from specdec.testing import assert_lossless, distribution_target, sampled_joint
+
+    small = distribution_target()
+    chain = make(small, 5, k=2)[3]
+    tree = eagle3.Eagle3TreeDrafter(chain.arch, chain.params, 6, top_k=2, depth=3)
+    assert tree.arch.vocab == 5
+    assert_lossless(*sampled_joint(small, tree, "multidraft_tree"))
 
 
 def test_eagle3_tree_levels_fit_at_the_context_edge(target, monkeypatch):

@@ -2,8 +2,12 @@
 same seed, for every drafter, at any verify width and batch; and the keyed noise behind every draw is uniform and
 independent across seeds, rows, positions and tokens.
 
-Negative controls: a weak mixer fails the noise checks, another seed gives other tokens, and a policy that draws
-the target's sample one position off fails the equality."""
+Tree drafters draw each node's children with the target's noise at their position, so the first child is the
+coupled draw: an oracle draft LM's tree has the target's sample as every first child.
+
+Negative controls: a weak mixer fails the noise checks, another seed gives other tokens, a policy that draws
+the target's sample one position off fails the equality, and the oracle's uncoupled top-k tree misses the target's
+sample as a first child."""
 
 import dataclasses
 
@@ -15,17 +19,19 @@ import scipy.stats
 
 import drafters
 from drafters import create_drafter
-from drafters.draft_lm import DraftLMDrafter
+from drafters.draft_lm import DraftLMDrafter, DraftLMTreeDrafter
+from drafters.eagle3 import Eagle3TreeDrafter
 from drafters.hybrid import HybridDrafter
 from drafters.ngram import NgramDrafter
 from specdec import sampling as S
 from specdec.adaptive import AdaptiveWidth
+from specdec.drafter import Draft
 from specdec.engine import speculative_generate
 from specdec.generate import generate
 from specdec.sampling import SamplingParams, sample, sample_key
 from specdec.testing import PROMPTS, draft_fit, peaky_target
 from specdec.verify import Policy, get_policy
-from specdec.verify.invariant import invariant_chain
+from specdec.verify.invariant import invariant_chain, invariant_tree
 
 P_VALUE_MIN = 1e-3
 HOT = SamplingParams(temperature=1.0)
@@ -144,6 +150,9 @@ def make_drafter(name: str, target):
         return DraftLMDrafter(task.dcfg, params, 3, name="distilled_lm")
     if name == "eagle3":
         return make_eagle3(target, k=3)[3]
+    if name == "eagle3_tree":  # with a reduced draft vocabulary: its draws take the target's noise of their ids
+        chain = make_eagle3(target, 64, k=3)[3]
+        return Eagle3TreeDrafter(chain.arch, chain.params, 6, top_k=2, depth=3)
     if name == "medusa":
         return make_medusa(target)[2]
     if name == "medusa_tree":
@@ -219,6 +228,102 @@ def test_batch_one_at_fixed_width_equals_ar(name, target, ar):
         assert out.tokens == ar(NUCLEUS, 5, [prompt]), name
 
 
+# Sampled trees beside DSpark's: the draft LM's dynamic tree (self-speculation's model), EAGLE-3's dynamic tree and
+# Medusa's static tree, each node's children the Gumbel top-k of log q + the noise of their position
+TREES = ["self_spec_tree", "eagle3_tree", "medusa_tree"]
+
+
+@pytest.mark.parametrize("name", TREES)
+def test_sampled_trees_equal_ar_at_batch_four_and_one(name, target, ar):
+    """invariant_tree at T = 0.7 with top-p 0.95 under the adaptive width (given costs): AR's tokens for the seed,
+    for the four prompts together and for one alone, with trees verified (the random EAGLE-3 on its reduced
+    vocabulary is never accepted, the others are)."""
+    drafter = make_drafter(name, target)
+    for prompts in (PROMPTS, PROMPTS[2:3]):
+        out = speculative_generate(target, drafter, prompts, policy="invariant_tree", max_new_tokens=NEW_TOKENS,
+                                   sampling=NUCLEUS, seed=7, scheduler=adaptive(drafter))
+        assert out.tokens == ar(NUCLEUS, 7, prompts), (name, len(prompts))
+        assert out.metrics.proposed_draft_tokens > 0, (name, len(prompts))
+
+
+def judge_first_children(draft, target_logits, sampling, key):
+    """invariant_tree on the draft with every node but the first child of its parent dropped: the accepted path
+    runs through first children only, so the engine's counts per depth say how often a first child was the
+    target's sample there."""
+    n = draft.num_nodes
+    before = jnp.tril(jnp.ones((n, n), bool), -1)[None]  # [1, i, j]: node j comes before node i
+    sibling = (draft.parents[:, :, None] == draft.parents[:, None, :]) & draft.valid[:, None, :]
+    later = jnp.any(before & sibling, axis=2)
+    return invariant_tree(dataclasses.replace(draft, valid=draft.valid & ~later), target_logits, sampling, key)
+
+
+FIRST_CHILDREN = Policy("first_children", lossless=True, supports_trees=True, greedy_only=False,
+                        impl=judge_first_children)
+
+
+class _TopKTree(DraftLMTreeDrafter):
+    """The uncoupled tree: top-k picks (the argmaxes of q) at every temperature, blind to the target's noise."""
+
+    def propose(self, params, cache, ctx, sampling, key):
+        return super().propose(params, cache, ctx, S.GREEDY, key)
+
+
+def test_a_coupled_tree_drafts_the_targets_sample_as_every_first_child(target, ar):
+    """The coupling in a tree: a node's first child is Gumbel-max on log q with the target's noise at its
+    position, so for a draft LM equal to the target (q = p) it IS the target's sample. Judged on first children
+    alone, every verdict at every depth accepts (T = 1, 6-node trees of top-k 2 and depth 3), and the text is
+    AR's. The negative control: the same oracle's top-k tree, whose first child is the argmax of q, misses the
+    target's sample at depth 1 in some rounds."""
+    def first_children(drafter):
+        out = speculative_generate(target, drafter, PROMPTS, policy=FIRST_CHILDREN, max_new_tokens=NEW_TOKENS,
+                                   sampling=HOT, seed=2)
+        assert out.tokens == ar(HOT, 2, PROMPTS)
+        return np.asarray(out.metrics.position_accepted), np.asarray(out.metrics.position_eligible)
+
+    accepted, judged = first_children(DraftLMTreeDrafter(target.cfg, target.params, 6, 2, 3, name="oracle_tree"))
+    assert judged[0] > 0 and judged[1] > 0 and (accepted == judged).all(), (accepted, judged)
+    accepted, judged = first_children(_TopKTree(target.cfg, target.params, 6, 2, 3, name="oracle_tree"))
+    assert accepted[0] < judged[0], (accepted, judged)
+
+
+def first_proposal(target, drafter, rows: int = 16) -> Draft:
+    """The drafter's first proposal after prefill (T = 0.7, top-p 0.95, seed 0) for `rows` copies of the test
+    prompts: each row its own noise."""
+    from specdec import engine
+    from specdec.generate import cache_capacity, pad_prompts
+
+    spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=None, sampling=NUCLEUS,
+                           eos_ids=())
+    tokens, lengths = pad_prompts((PROMPTS * rows)[:rows], 0)
+    capacity = cache_capacity(lengths, 8, extra=drafter.num_draft_tokens + 1)
+    state = engine.start(spec, target, drafter, target.init_cache(rows, capacity), tokens, lengths, capacity, 8, 0)
+    return engine._jit_propose(spec, drafter.params, state)[0]
+
+
+def test_tree_first_children_are_the_chains_coupled_draws(target):
+    """The draft LM's and EAGLE-3's dynamic trees (EAGLE-3 on a reduced draft vocabulary) draw the root's first
+    child, and Medusa's static tree every first child down its spine ([0], [0, 0], [0, 0, 0]), as their chains
+    draw their tokens: Gumbel-max on q with the target's noise at the position (a tree drawing at another
+    offset, or with the noise of draft ids instead of target ids, fails). Every node is drawn from the q it
+    carries (q > 0 at its token, q sums to 1). The control: those tokens are not all the argmax of q (the tree
+    at T = 0), so the check sees more than top-k picks."""
+    from tests.test_eagle3 import make as make_eagle3
+    from tests.test_medusa import make as make_medusa
+
+    spine = [0, 2, 5]  # [0], [0, 0], [0, 0, 0] in medusa_tree's paths
+    pairs = ((make_drafter("self_spec", target), make_drafter("self_spec_tree", target), [0]),
+             (make_eagle3(target, 64, k=3)[3], make_drafter("eagle3_tree", target), [0]),
+             (make_medusa(target)[2], make_drafter("medusa_tree", target), spine))
+    for chain, tree, nodes in pairs:
+        coupled = np.asarray(first_proposal(target, chain).tokens)[:, : len(nodes)]
+        drawn = first_proposal(target, tree)
+        tokens, probs, valid = (np.asarray(x) for x in (drawn.tokens, drawn.probs, drawn.valid))
+        np.testing.assert_array_equal(tokens[:, nodes], coupled, err_msg=tree.name)
+        assert (np.take_along_axis(probs, tokens[..., None], -1)[..., 0][valid] > 0).all(), tree.name
+        np.testing.assert_allclose(probs[valid].sum(-1), 1.0, rtol=1e-5)
+        assert (probs[:, nodes].argmax(-1) != coupled).any(), tree.name
+
+
 def test_same_seed_same_tokens_other_seed_other_tokens(target, ar):
     """Run twice: identical tokens. Another seed: other tokens (the check can fail), again equal to AR's."""
     drafter = make_drafter("self_spec", target)
@@ -266,8 +371,6 @@ def test_invariant_policies_at_temperature_zero_are_greedy():
     logits = jnp.asarray(rng.normal(size=(3, 5, 9)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, 9, (3, 4)), jnp.int32)
     tokens = tokens.at[0].set(jnp.argmax(logits[0, :4], -1))  # row 0 accepts everything
-    from specdec.drafter import Draft
-
     for invariant, greedy in (("invariant_chain", "greedy_chain"), ("invariant_tree", "greedy_tree")):
         a = get_policy(invariant).verify(Draft.chain(tokens), logits, S.GREEDY, jax.random.key(0))
         b = get_policy(greedy).verify(Draft.chain(tokens), logits, S.GREEDY, jax.random.key(0))

@@ -123,6 +123,35 @@ def test_greedy_medusa_tree_equals_ar(target, policy):
     assert out.tokens == ar.tokens
 
 
+def test_sampled_static_tree_draws_without_replacement_and_is_lossless():
+    """Above temperature 0 node [r1, ..., rd] is head d's rd-th draw without replacement, with the target's noise
+    at its position: siblings differ, every node of a depth has the same children (head d's q does not read the
+    path, and they share the noise), each node carries head d's q less its earlier siblings, and a rank the
+    top-k cut leaves empty is invalid. Through the engine, multidraft_tree's output law equals the exact one
+    (`assert_lossless`, T = 0.7 with top-k 3 and top-p 0.9)."""
+    from specdec.sampling import SamplingParams, probabilities
+    from specdec.testing import assert_lossless, distribution_target, sampled_joint
+
+    small = distribution_target()
+    paths = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 2], [0, 0, 0]]
+    _, _, tree = make(small, num_heads=3, tree_paths=paths)
+    assert [list(p) for p in tree.tree.paths] == [[0], [1], [0, 0], [0, 1], [0, 2], [1, 0], [0, 0, 0]]
+    last = jnp.asarray(np.random.default_rng(1).normal(size=(64, small.cfg.hidden_size)), jnp.float32)
+    ctx = RoundContext(jnp.zeros((64, 8), jnp.int32), jnp.full((64,), 3), jnp.zeros((64,), bool))
+    sampling = SamplingParams(temperature=0.7, top_k=2)
+    draft, _ = tree.propose(tree.params, last, ctx, sampling, jax.random.PRNGKey(3))
+    tokens, probs, valid = (np.asarray(x) for x in (draft.tokens, draft.probs, draft.valid))
+    q = np.asarray(probabilities(tree.heads(tree.params, last), sampling))  # [B, K, V]
+    assert (tokens[:, 0] != tokens[:, 1]).all() and (tokens[:, 2] != tokens[:, 3]).all()
+    np.testing.assert_array_equal(tokens[:, 2], tokens[:, 5])  # [0, 0] and [1, 0]: cousins, one draw
+    assert valid[:, [0, 1, 2, 3, 5, 6]].all() and not valid[:, 4].any()  # top-k 2: no rank-2 draw
+    np.testing.assert_allclose(probs[:, 0], q[:, 0], rtol=1e-6)
+    rest = q[:, 0] * (np.arange(q.shape[-1]) != tokens[:, :1])  # q less the first sibling, renormalised
+    np.testing.assert_allclose(probs[:, 1], rest / rest.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    assert (np.take_along_axis(probs, tokens[..., None], -1)[valid] > 0).all()
+    assert_lossless(*sampled_joint(small, tree, "multidraft_tree"))
+
+
 def test_medusa_samples_from_its_q(target):
     """The drafted tokens' frequencies match the returned q (T=0.7, top-k, top-p; specdec/testing.py)."""
     from specdec.testing import assert_draft_matches_its_q

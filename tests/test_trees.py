@@ -314,6 +314,23 @@ def test_import_order_has_no_cycle():
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True, timeout=120)
 
 
+def test_level_quotas_follow_the_prior_depth_profile_within_what_the_growth_offers():
+    """A sampled dynamic tree keeps per depth as many nodes as `rank_prior_tree` has there (7 nodes, top-k 4,
+    depth 3: 3, 3, 1 as in the golden shape below), capped at top_k children of each of the at most top_k nodes
+    expanded at the depth above (21 nodes, top-k 3, depth 3: the prior tree has more than 9 nodes at depth 3,
+    the growth offers 3 x 3 there, so depth 2 takes the rest), within the dynamic tree's candidate budget."""
+    from specdec.trees import level_quotas, rank_prior_tree
+
+    assert level_quotas(7, 4, 3) == (3, 3, 1)
+    assert level_quotas(6, 2, 3) == (2, 3, 1)
+    assert level_quotas(4, 1, 4) == (1, 1, 1, 1)
+    assert level_quotas(7, 4, 4, accept=0.65) == (2, 3, 1, 1)
+    assert int(np.sum(rank_prior_tree(21, 3, 3).depth == 3)) > 9
+    assert level_quotas(21, 3, 3) == (3, 9, 9)
+    with pytest.raises(ValueError, match="exceeds the 10 candidates"):
+        level_quotas(11, 2, 3)
+
+
 def test_rank_prior_tree_golden_shapes_and_errors():
     """The sampled trees' fixed shapes: best first under the rank prior accept * (1 - accept) ** rank, so siblings
     come in draw order after their parent and a higher prior acceptance buys a deeper spine."""

@@ -15,9 +15,13 @@ A drafter that samples with the same noise on its own q (Gumbel-max on log q at 
 the target's token whenever the two argmaxes agree, which is likely when q is close to p: the coupling of
 Daliri et al. It accepts less than rejection sampling's min(1, p/q) on average (rejection sampling is the
 optimal coupling), in exchange for outputs that can be compared token by token. In a tree the children of a
-node share their position's noise; a drafter draws them as the next argmaxes of log q + that noise (Gumbel
-top-k: without replacement), so the target's sample is among them when it ranks high in q (list matching,
-OpenReview GJbrk55Bt8). At temperature 0 both policies are `greedy_chain` / `greedy_tree`.
+node share their position's noise; every sampling tree drafter (the draft LM's, self-speculation's, the
+distilled draft LM's and EAGLE-3's dynamic trees, Medusa's static tree, DFlash / DSpark's fixed and dynamic
+trees: `specdec.trees.draw_children`) draws them as the next argmaxes of log q + that noise (Gumbel top-k:
+without replacement), so the first child is the coupled draw and the target's sample is among them when it
+ranks high in q (list matching, OpenReview GJbrk55Bt8). A DFlash / DSpark fixed tree with `tree_accept: 0`
+keeps its top-k picks at every temperature: still exact, but not coupled. At temperature 0 both policies are
+`greedy_chain` / `greedy_tree`.
 """
 
 from __future__ import annotations

@@ -80,8 +80,10 @@ def multidraft_tree(draft: Draft, target_logits: jax.Array, sampling: SamplingPa
     rejection-sampling step whose rejection branch hands the residual to the next one, so the token finally
     taken at this node (an accepted child, or a draw from the last residual when all children fail) is
     exactly p-distributed. That holds when each child was drawn from its own q independently of its
-    siblings' test outcomes: i.i.d. samples (siblings with replacement) or deterministic picks (q one-hot:
-    rejection zeroes that token in p and renormalises, so distinct top-k siblings work too). A node without
+    siblings' test outcomes: i.i.d. samples (siblings with replacement), draws without replacement each
+    carrying q less its earlier siblings (`trees.draw_children`), or deterministic picks (q one-hot:
+    rejection zeroes that token in p and renormalises, so distinct top-k siblings work too); and when whether
+    a child exists says nothing about its own draw (`trees.grow_dynamic_tree`). A node without
     children ends the walk with a bonus token from p. At temperature 0 this is `greedy_tree` (for siblings
     with distinct tokens).
     """
