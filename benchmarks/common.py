@@ -36,6 +36,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from specdec.costs import cpu_model
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = Path("runs") / "benchmarks"
 
@@ -43,18 +45,6 @@ DEFAULT_OUT = Path("runs") / "benchmarks"
 # ----------------------------------------------------------------------------------------------------------
 # The result schema: provenance, JSON and Markdown
 # ----------------------------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
 
 def git_commit() -> str:
     """`git rev-parse --short HEAD` of this checkout, `+dirty` when tracked files have uncommitted changes."""

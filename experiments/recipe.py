@@ -669,17 +669,12 @@ def write_card(recipe: dict, job: dict) -> Path:
 # ---------------------------------------------------------------------------------------------------------
 
 def machine_text() -> str:
-    """The CPU model and core count (or the platform), for "measured on <machine>"."""
+    """The CPU model and core count, for "measured on <machine>"."""
     import os
-    import platform
 
-    model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
-    return f"{model or platform.machine() or 'unknown CPU'}, {os.cpu_count()} cores"
+    from specdec.costs import cpu_model
+
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def evaluate(cfg, drafter_path: Path, *, nodes: int, tree: dict, untuned: list[str], stage: str = "eval",

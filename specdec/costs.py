@@ -136,15 +136,20 @@ def load_or_measure_profile(target, max_tokens: int, path: str | os.PathLike | N
 # Round costs (the adaptive width)
 # ---------------------------------------------------------------------------------------------------------
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows: part of the round-cost key and
+    of every recorded figure's machine (benchmarks, a recipe's model card)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _machine() -> str:
+    cpu = cpu_model()
     dev = jax.devices()[0]
     return f"{dev.platform}:{dev.device_kind}|{cpu}|{os.cpu_count()}cpu"
 
