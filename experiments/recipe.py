@@ -2,8 +2,9 @@
 
     specdec recipe configs/recipes/smollm2_135m_dspark.yaml [--until STAGE] [--only STAGE] [--dry-run]
 
-A recipe file (YAML) has `jobs`, the stages in order, each with a unique `name`, and `out`, the folder all their
-outputs go under (default runs/recipes/<file stem>; runs/ is never committed):
+A recipe file (YAML, read as every config file is: `extends: <file>` merges it over another, a repeated key is
+an error) has `jobs`, the stages in order, each with a unique `name`, and `out`, the folder all their outputs go
+under (default runs/recipes/<file stem>; runs/ is never committed):
 
     run: prompts HumanEval-shaped completion prompts from the `mbpp` and / or `gpteacher` files
                  (experiments.completion_prompts), into <out>/prompts/<name>/prompts.jsonl
@@ -245,13 +246,16 @@ def _a(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def _read_yaml(path: str):
-    import yaml
+def _read_yaml(path: str) -> dict:
+    """The file as the config system reads every YAML file (specdec.config.read_yaml: a repeated key is an error,
+    not silently the last one)."""
+    from specdec.config import read_yaml
+    from specdec.errors import ConfigError
 
-    p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"{path}: no such file")
-    return yaml.safe_load(p.read_text())
+    try:
+        return read_yaml(path)
+    except ConfigError as e:
+        raise RecipeError(str(e)) from None
 
 
 def _jobs(path: str, text, kinds: tuple[str, ...], study: bool) -> list[dict]:

@@ -231,6 +231,8 @@ BAD = [
                                                                               r"'d', a data stage"),
     ("- {name: t, run: train, config: TINY, data: []}", r"job 0 \(t\): `data` must name the data stage"),
     ("- {name: e, run: eval, config: TINY, drafter: x, nodes: 0}", r"job 0 \(e\): `nodes` .* >= 1"),
+    # read as every config file is: a repeated key is an error, not silently the last one
+    ("- {name: a, run: data, config: TINY, set: [data.seed=1], set: [data.seed=2]}", r"duplicate key 'set'"),
 ]
 
 
