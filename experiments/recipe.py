@@ -165,6 +165,7 @@ def _check_job(path: str, i: int, job, kinds: tuple[str, ...], study: bool) -> d
             raise RecipeError(f"{where}: `stop_at` must be a step >= 1 or null, got {stop_at!r}")
         if snap is not None and not (isinstance(snap, dict) and set(snap) <= {"step", "float16"}
                                      and (snap.get("step") is None or (isinstance(snap["step"], int)
+                                                                       and not isinstance(snap["step"], bool)
                                                                        and snap["step"] >= 1))
                                      and isinstance(snap.get("float16", False), bool)):
             raise RecipeError(f"{where}: `snapshot` must be {{step: N or null, float16: true|false}}, got {snap!r}")
@@ -274,10 +275,13 @@ def load_recipe(path: str) -> dict:
     unknown = sorted(set(text) - {"description", "out", "jobs"})
     if unknown:
         raise RecipeError(f"{path}: unknown key(s) {unknown} (a recipe has description, out and jobs)")
+    for key in ("description", "out"):
+        if not (text.get(key) is None or isinstance(text[key], str)):
+            raise RecipeError(f"{path}: `{key}` must be text, got {text[key]!r}")
     jobs = _jobs(path, text, KINDS, study=False)
     _check_references(path, jobs)
     out = text.get("out") or f"runs/recipes/{Path(path).stem}"
-    return {"path": str(path), "description": text.get("description", ""), "out": str(out), "jobs": jobs}
+    return {"path": str(path), "description": text.get("description") or "", "out": out, "jobs": jobs}
 
 
 def load_study(path: str) -> dict:

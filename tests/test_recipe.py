@@ -231,6 +231,8 @@ BAD = [
                                                                               r"'d', a data stage"),
     ("- {name: t, run: train, config: TINY, data: []}", r"job 0 \(t\): `data` must name the data stage"),
     ("- {name: e, run: eval, config: TINY, drafter: x, nodes: 0}", r"job 0 \(e\): `nodes` .* >= 1"),
+    ("- {name: d, run: data, config: TINY}\n- {name: t, run: train, config: TINY, data: [d], snapshot: {step: true}}",
+     r"job 1 \(t\): `snapshot` must be \{step: N or null"),
     # read as every config file is: a repeated key is an error, not silently the last one
     ("- {name: a, run: data, config: TINY, set: [data.seed=1], set: [data.seed=2]}", r"duplicate key 'set'"),
 ]
@@ -254,6 +256,8 @@ def test_bad_flags_and_unfinished_inputs(tmp_path):
         run_recipe(path, Calls(), only="card", log=lambda _: None)
     with pytest.raises(RecipeError, match="jobs` must be a non-empty list"):
         load_recipe(write(tmp_path / "empty.yaml", {"jobs": []}))
+    with pytest.raises(RecipeError, match="`out` must be text, got \\['x'\\]"):
+        load_recipe(write(tmp_path / "out.yaml", {"out": ["x"], "jobs": []}))
     assert cli.main(["train", TINY, "--stop-at-step", "0"]) == 2  # a clear error, not a run
 
 
