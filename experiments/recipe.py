@@ -487,11 +487,13 @@ def _write_record(where: Path, record: dict, done: bool) -> None:
 
 
 def _prompt_args(job: dict, expand: bool = False) -> list[str]:
-    """The completion-prompt sources of a prompts stage as experiments.completion_prompts' arguments."""
-    import os
+    """The completion-prompt sources of a prompts stage as experiments.completion_prompts' arguments; `expand`:
+    their $VARIABLES and ~ expanded as every data path is (specdec.records.expand_path: an unset variable is an
+    error naming it). The record keeps them unexpanded, so the stage's key does not depend on where the data is."""
+    from specdec.records import expand_path
 
     return [a for k in ("mbpp", "gpteacher") if job.get(k)
-            for a in (f"--{k}", os.path.expandvars(job[k]) if expand else job[k])]
+            for a in (f"--{k}", str(expand_path(job[k])) if expand else job[k])]
 
 
 def command(recipe: dict, job: dict) -> str:

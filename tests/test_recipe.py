@@ -3,7 +3,7 @@ stages chained by init_from (the first snapshotted in float16, the second stoppe
 small prompt sets and the model card, run end to end through the CLI's commands; run again, every stage is
 skipped; a deleted or interrupted stage is resumed alone; a changed stage is refused; the card holds the
 evaluation's figures and refuses a results file that lacks one; every malformed recipe is an error naming the
-stage. The shipped recipe loads, and its last training stage resolves to the shipped drafter's own config."""
+stage; a prompts stage expands its paths and feeds its data stage. The shipped recipe loads, and its last training stage resolves to the shipped drafter's own config."""
 
 import json
 import shutil
@@ -259,6 +259,34 @@ def test_bad_flags_and_unfinished_inputs(tmp_path):
     with pytest.raises(RecipeError, match="`out` must be text, got \\['x'\\]"):
         load_recipe(write(tmp_path / "out.yaml", {"out": ["x"], "jobs": []}))
     assert cli.main(["train", TINY, "--stop-at-step", "0"]) == 2  # a clear error, not a run
+
+
+def test_a_prompts_stage_expands_its_paths_and_feeds_its_data_stage(tmp_path, monkeypatch):
+    """A prompts stage's sources are expanded as every data path is ($VARIABLES: an unset one is an error naming
+    it) and kept unexpanded in its record; its prompts.jsonl becomes the first dataset of the data stage that names
+    it."""
+    record = {"task_id": 601, "text": "Add two numbers.", "code": "def add(a, b):\n    return a + b",
+              "test_list": ["assert add(1, 2) == 3"]}
+    (tmp_path / "mbpp.jsonl").write_text(json.dumps(record) + "\n")
+    path = write(tmp_path / "p.yaml", {"out": str(tmp_path / "out"), "jobs": [
+        {"name": "p", "run": "prompts", "mbpp": "${RECIPE_TEST_DATA}/mbpp.jsonl"},
+        {"name": "d", "run": "data", "config": TINY, "prompts": "p"}]})
+
+    def no_command(argv):
+        raise AssertionError(f"a prompts stage runs no specdec command: {argv}")
+
+    monkeypatch.delenv("RECIPE_TEST_DATA", raising=False)
+    with pytest.raises(ValueError, match=r"uses \$RECIPE_TEST_DATA, which is not set"):
+        run_recipe(path, no_command, until="p", log=lambda _: None)
+    monkeypatch.setenv("RECIPE_TEST_DATA", str(tmp_path))
+    assert run_recipe(path, no_command, until="p", log=lambda _: None) == 0
+    written = tmp_path / "out" / "prompts" / "p" / "prompts.jsonl"
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["mbpp-601"] and "def add(a, b):" in rows[0]["prompt"]
+    stages = plan(load_recipe(path))
+    assert [s["state"] for s in stages] == ["finished", "to run"]
+    assert stages[0]["record"]["job"]["mbpp"] == "${RECIPE_TEST_DATA}/mbpp.jsonl"
+    assert stages[1]["record"]["config"]["data.datasets.0.name"] == str(written)
 
 
 def test_the_shipped_recipe_loads_and_its_last_stage_is_the_shipped_drafters_config(tmp_path):
