@@ -326,7 +326,7 @@ def job_paths(job: dict, sets: list[str], workdir: Path | str = ".",
     process)."""
     data_dir, output_dir, output_name = settings(job["config"], job["set"] + list(sets), "train.data_dir",
                                                  "output.dir", "output.name")
-    name = output_name if output_name not in (None, "None") else Path(job["config"]).stem
+    name = output_name or Path(job["config"]).stem  # as `specdec train` names its run
     return {"data_dir": Path(workdir, str(data_dir)), "run_dir": Path(workdir, str(output_dir), name), "name": name}
 
 
