@@ -6,8 +6,9 @@ only the tensors decoding reads, weight matrices float16; what ships in git (doc
   holding the same float16 weights (chain and tree, greedy and sampled), and its greedy output equals AR through
   the engine; W2 cut by a wrong id map (the negative control) drafts differently, so the parity check can fail;
 - the file is smaller by exactly the cut columns; W1, read at any previous token, is kept whole;
-- `train.init_from` refuses it, naming the tensors it lacks; a missing, reshaped or unreadable tensor is a clear
-  error; the vLLM export of it equals the full format's; DFlash (nothing to cut) goes through the same path.
+- `train.init_from` refuses it, naming the tensors it lacks, and so does a snapshot; a missing, reshaped or
+  unreadable tensor is a clear error; the vLLM export of it equals the full format's; DFlash (nothing to cut) goes
+  through the same path.
 
 The drafter directories are written with the training loop's writers from random weights (every head active)."""
 
@@ -174,6 +175,16 @@ def test_init_from_refuses_the_inference_format_naming_what_it_lacks(dirs, targe
         initial_weights(str(dirs["inference"]), task, target, *fresh)
     params, _ = initial_weights(str(dirs["full16"]), task, target, *fresh)  # the full format continues
     assert params["markov"]["w2"].shape == (RANK, target.cfg.vocab_size)
+
+
+def test_snapshot_refuses_the_inference_format(dirs, tmp_path, target):
+    """A snapshot of an inference-format directory would write a full-format drafter.json over cut tensors."""
+    with pytest.raises(ckpt.CheckpointError, match="is an inference-format drafter .* not a training run"):
+        ckpt.snapshot(dirs["inference"], tmp_path / "snap")
+    assert not (tmp_path / "snap").exists()
+    ckpt.snapshot(dirs["full32"], tmp_path / "full", float16=True)  # the full format is frozen as before
+    frozen = ckpt.load_drafter(tmp_path / "full")
+    assert frozen["format"] == ckpt.FULL and frozen["params"]["markov"]["w2"].shape == (RANK, target.cfg.vocab_size)
 
 
 def edited(src, dst, tensors=None, meta=None):

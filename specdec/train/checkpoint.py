@@ -356,11 +356,14 @@ def snapshot(run: str | os.PathLike, out: str | os.PathLike, step: int | None = 
     DSpark's calibrated confidences) if it finished, else its newest checkpoint. `float16`: the weight matrices
     stored float16 (vectors and buffers as trained; the drafter upcasts on load). drafter.json also records the
     run, the step, the weights' source and (from a checkpoint) the examples seen; the run's config.yaml is copied
-    beside it, and its summary.json with the final weights. Returns `load_drafter`'s dict of what was written."""
-    import shutil
-
+    beside it, and its summary.json with the final weights. Returns `load_drafter`'s dict of what was written.
+    An inference-format source is refused: its drafter.json would lose the format, and its cut tensors would then
+    load as full ones (cut again, by ids past their width)."""
     run, out = Path(run), Path(out)
     info = load_drafter(run, step=step)  # a resumed run still training: its newest checkpoint
+    if info["format"] == INFERENCE:
+        raise CheckpointError(f"{run} is an inference-format drafter (`specdec export --format inference`), not a "
+                              "training run: use it as it is, or snapshot the run it was exported from")
     final = info["source"] == str(run / PARAMS_FILE)
     snap = {"run": str(run), "step": info["step"], "source": info["source"],
             **({"examples_seen": info["examples_seen"]} if "examples_seen" in info else {})}
