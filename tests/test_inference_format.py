@@ -17,13 +17,11 @@ import json
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from drafters import SHIPPED_DRAFTER, create_drafter, dflash, dspark
 from experiments import cli
-from specdec.drafter import RoundContext
 from specdec.engine import speculative_generate
 from specdec.export import export_run
 from specdec.generate import generate
@@ -33,6 +31,7 @@ from specdec.target import random_target
 from specdec.testing import prefill_for_drafter
 from specdec.train import checkpoint as ckpt
 from specdec.train.loop import initial_weights
+from tests.test_eagle3 import context
 
 G = 4  # block size: 4 drafts per block
 RANK = 8  # Markov rank
@@ -84,14 +83,6 @@ def dirs(tmp_path_factory, target):
            "full16": write_full(root / "full16", target, task, params, buffers, float16=True)}
     out["inference"] = export_run(out["full32"], root / "inference", "inference", None)
     return out
-
-
-def context(rows, cap=64):
-    seq = np.zeros((len(rows), cap), np.int32)
-    for i, r in enumerate(rows):
-        seq[i, : len(r)] = r
-    return RoundContext(jnp.asarray(seq), jnp.asarray([len(r) for r in rows], jnp.int32),
-                        jnp.zeros((len(rows),), bool))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
