@@ -141,7 +141,9 @@ def _check_job(path: str, i: int, job, kinds: tuple[str, ...], study: bool) -> d
     if study:
         return out
     wired = set(WIRED.get(kind, ())) | ({"data.datasets.0.name"} if kind == "data" and job.get("prompts") else set())
-    clash = sorted({s.split("=", 1)[0].strip() for s in sets} & wired)
+    keys = {s.split("=", 1)[0].strip() for s in sets}
+    # a key under a wired one (train.more_data.0.skip_shards) would be replaced by the wiring without a word
+    clash = sorted(k for k in keys if any(k == w or k.startswith(w + ".") for w in wired))
     if clash:
         raise RecipeError(f"{where}: `set` must not set {', '.join(clash)}: the recipe sets it (from the stage's "
                           "name, `out`, `data`, `init_from` or `prompts`)")

@@ -231,6 +231,8 @@ BAD = [
                                                                               r"'d', a data stage"),
     ("- {name: t, run: train, config: TINY, data: []}", r"job 0 \(t\): `data` must name the data stage"),
     ("- {name: e, run: eval, config: TINY, drafter: x, nodes: 0}", r"job 0 \(e\): `nodes` .* >= 1"),
+    ("- {name: d, run: data, config: TINY}\n- {name: t, run: train, config: TINY, data: [d, d], "
+     "set: [train.more_data.0.skip_shards=1]}", r"job 1 \(t\): `set` must not set train.more_data.0.skip_shards"),
     ("- {name: d, run: data, config: TINY}\n- {name: t, run: train, config: TINY, data: [d], snapshot: {step: true}}",
      r"job 1 \(t\): `snapshot` must be \{step: N or null"),
     # read as every config file is: a repeated key is an error, not silently the last one
