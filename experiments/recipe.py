@@ -472,7 +472,13 @@ def _state(recipe: dict, job: dict, record: dict, where: Path) -> str:
     path = where / RECORD
     if not path.is_file():
         return "to run"
-    old = json.loads(path.read_text())
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        old = None
+    if not isinstance(old, dict):
+        raise RecipeError(f"stage {job['name']}: {path} is not a stage record (JSON): delete it, and the stage runs "
+                          "again (data and training go on from what they saved)")
     if old.get("key") != record["key"]:
         if job["run"] == "card":  # derived from the others alone: rendered again
             return "to run"
@@ -484,8 +490,10 @@ def _state(recipe: dict, job: dict, record: dict, where: Path) -> str:
 
 def _write_record(where: Path, record: dict, done: bool) -> None:
     where.mkdir(parents=True, exist_ok=True)
-    (where / RECORD).write_text(json.dumps({**record, "done": done, "when": time.strftime("%Y-%m-%d %H:%M:%S")},
-                                           indent=2, default=str))
+    partial = where / (RECORD + ".partial")  # written whole, then renamed: a kill mid-write leaves the old record
+    partial.write_text(json.dumps({**record, "done": done, "when": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2,
+                                  default=str))
+    partial.replace(where / RECORD)
 
 
 def _prompt_args(job: dict, expand: bool = False) -> list[str]:

@@ -260,6 +260,11 @@ def test_bad_flags_and_unfinished_inputs(tmp_path):
         load_recipe(write(tmp_path / "empty.yaml", {"jobs": []}))
     with pytest.raises(RecipeError, match="`out` must be text, got \\['x'\\]"):
         load_recipe(write(tmp_path / "out.yaml", {"out": ["x"], "jobs": []}))
+    record = tmp_path / "out" / "data" / "d1" / "recipe_stage.json"
+    record.parent.mkdir(parents=True)
+    record.write_text('{"stage": "d1", "key": ')  # cut short
+    with pytest.raises(RecipeError, match=r"stage d1: .*recipe_stage.json is not a stage record \(JSON\): delete it"):
+        plan(load_recipe(path))
     assert cli.main(["train", TINY, "--stop-at-step", "0"]) == 2  # a clear error, not a run
 
 
