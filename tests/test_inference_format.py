@@ -244,6 +244,9 @@ def test_export_command_writes_the_inference_format(dirs, tmp_path, capsys):
             np.testing.assert_array_equal(got[k], want[k])
     with pytest.raises(FileExistsError, match="exists and is not empty"):
         cli.main(["export", str(dirs["full32"]), "--format", "inference", str(out)])
+    (out / "README.md").write_text("the card of the drafter this export replaces")
+    assert cli.main(["export", str(dirs["full32"]), "--format", "inference", str(out), "--overwrite"]) == 0
+    assert not (out / "README.md").exists()  # the source has no card: none describes the new weights
     medusa = tmp_path / "medusa"  # a kind that declares no inference format
     ckpt.write_drafter_config(medusa, "medusa", {}, {})
     ckpt.export_params(medusa, {"w": np.zeros((2, 2))}, {}, 1)

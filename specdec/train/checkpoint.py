@@ -260,6 +260,8 @@ def export_inference(source: str | os.PathLike, out: str | os.PathLike, *, overw
     for name in COPIED_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)
+        elif (out / name).is_file():  # the overwritten drafter's: it would describe that one, not these weights
+            (out / name).unlink()
     return out
 
 
