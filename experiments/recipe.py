@@ -35,8 +35,8 @@ config, the keys of the stages it read) and whether it finished. A finished stag
 is skipped; one begun and not finished runs again (data goes on from its finished shards, training from its last
 checkpoint); a stage whose record differs from the recipe (its job, its config, or a stage it read was made
 anew) is refused, the difference named: delete its folder to redo it. A card is derived from the rest alone: it
-is rendered again whenever what it shows changed, and `--only <card stage>` renders it again from the existing
-evaluation.
+is rendered again whenever the card its inputs make differs from the one on disk (an evaluation made anew), and
+`--only <card stage>` renders it again from the existing evaluation.
 
 Before anything runs, every stage is checked: its kind and keys, its config, and the stages it reads (they must
 exist, be of the right kind and come earlier: no cycles); an error names the stage and the problem.
@@ -484,7 +484,7 @@ def _state(recipe: dict, job: dict, record: dict, where: Path) -> str:
             return "to run"
         return "changed: " + (", ".join(_differences(old, record)) or "its key")
     if old.get("done") and outputs_exist(recipe, job):
-        return "finished"
+        return "finished" if job["run"] != "card" or card_is_current(recipe, job) else "to run"
     return "to resume"
 
 
@@ -561,6 +561,8 @@ def run_recipe(path: str, run_cli: Callable[[list[str]], int], *, until: str | N
     states = {s["job"]["name"]: s["state"] for s in stages}
     for s in chosen:
         job, state = s["job"], s["state"]
+        if job["run"] == "card" and state == "finished" and not card_is_current(recipe, job):
+            state = "to run"  # its evaluation was made anew by this call
         number = f"{names.index(job['name']) + 1}/{len(names)}"
         if state.startswith("changed"):
             raise RecipeError(f"stage {job['name']} changed since its output in {s['dir']} was made ({state[9:]}): "
@@ -651,8 +653,26 @@ def lineage(recipe: dict, last: str) -> list[dict]:
 
 
 def write_card(recipe: dict, job: dict) -> Path:
-    """The card stage: README.md of the measured drafter's directory, rendered (experiments/card.py) from the
-    eval stage's results, drafter.json and the figures of the lineage's stages read from their outputs."""
+    """The card stage: README.md of the measured drafter's directory (`card_text`)."""
+    path, text = card_text(recipe, job)
+    path.write_text(text)
+    return path
+
+
+def card_is_current(recipe: dict, job: dict) -> bool:
+    """Whether the card on disk is the one the card stage's inputs make now. Its key cannot tell: an evaluation
+    made anew with the same job and config has the same key and other figures."""
+    try:
+        path, text = card_text(recipe, job)
+        return path.is_file() and path.read_text() == text
+    except (ValueError, OSError, KeyError, TypeError):  # an input missing or malformed: rendering it says what
+        return False
+
+
+def card_text(recipe: dict, job: dict) -> tuple[Path, str]:
+    """Where the card stage writes and what: README.md of the measured drafter's directory, rendered
+    (experiments/card.py) from the eval stage's results, drafter.json and the figures of the lineage's stages read
+    from their outputs."""
     jobs = by_name(recipe)
     eval_job = jobs[job["eval"]]
     results_path = stage_dir(recipe, eval_job) / RESULTS
@@ -679,9 +699,7 @@ def write_card(recipe: dict, job: dict) -> Path:
     text = render(results=results, results_path=str(results_path), drafter=drafter, drafter_path=str(where),
                   trainable=trainable, recipe_path=recipe["path"], card_stage=job["name"], eval_stage=eval_job["name"],
                   drafter_stage=eval_job["drafter"], lineage=stages)
-    path = where / CARD
-    path.write_text(text)
-    return path
+    return where / CARD, text
 
 
 # ---------------------------------------------------------------------------------------------------------

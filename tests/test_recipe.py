@@ -2,8 +2,9 @@
 stages chained by init_from (the first snapshotted in float16, the second stopped early), an evaluation on two
 small prompt sets and the model card, run end to end through the CLI's commands; run again, every stage is
 skipped; a deleted or interrupted stage is resumed alone; a changed stage is refused; the card holds the
-evaluation's figures and refuses a results file that lacks one; every malformed recipe is an error naming the
-stage; a prompts stage expands its paths and feeds its data stage. The shipped recipe loads, and its last training stage resolves to the shipped drafter's own config."""
+evaluation's figures, follows an evaluation made anew and refuses a results file that lacks one; every malformed
+recipe is an error naming the stage; a prompts stage expands its paths and feeds its data stage. The shipped
+recipe loads, and its last training stage resolves to the shipped drafter's own config."""
 
 import json
 import shutil
@@ -156,6 +157,31 @@ def test_the_card_shows_the_evaluation_and_refuses_a_missing_figure(made):
     (out / "train" / "t2" / "README.md").unlink()
     assert run_recipe(made["path"], Calls(), only="card", progress=False, log=lambda _: None) == 0
     assert (out / "train" / "t2" / "README.md").read_text() == card  # the same card from the same evaluation
+
+
+def test_the_card_follows_an_evaluation_made_anew(made):
+    """The eval stage's results changed under the same job and config (made anew: the same key): the next run
+    renders the card again and skips every other stage; the results restored, the card is rendered back."""
+    out = made["work"] / "out"
+    results_path, card_path = out / "eval" / "eval" / RESULTS, out / "train" / "t2" / "README.md"
+    saved, card = results_path.read_text(), card_path.read_text()
+
+    def no_command(argv):
+        raise AssertionError(f"a finished stage ran again: {argv}")
+
+    results = json.loads(saved)
+    results["results"]["ngram"]["sets"]["first"]["tau"] = 9.8765  # no tau of a 3-node draft
+    try:
+        results_path.write_text(json.dumps(results))
+        dry = []
+        run_recipe(made["path"], no_command, dry_run=True, log=dry.append)
+        assert sum(": finished" in line for line in dry) == 5 and any("card (card): to run" in line for line in dry)
+        assert run_recipe(made["path"], no_command, progress=False, log=lambda _: None) == 0
+        assert "| 9.88 |" in card_path.read_text()
+    finally:
+        results_path.write_text(saved)
+    assert run_recipe(made["path"], no_command, progress=False, log=lambda _: None) == 0
+    assert card_path.read_text() == card
 
 
 def test_a_second_run_skips_every_stage(made):
