@@ -149,6 +149,10 @@ def test_the_card_shows_the_evaluation_and_refuses_a_missing_figure(made):
         del got["sets"]["second"]["tau"]
         with pytest.raises(CardError, match="lacks results.ngram.sets.second.tau"):
             check_results(results)
+        bare = json.loads(saved)
+        del bare["sets"]["second"]["prompts"]  # a column head's figure
+        with pytest.raises(CardError, match="lacks sets.second.prompts"):
+            check_results(bare)
         results_path.write_text(json.dumps(results))
         with pytest.raises(CardError, match="lacks results.ngram.sets.second.tau"):
             write_card(recipe, recipe["jobs"][5])
