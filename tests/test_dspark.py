@@ -440,6 +440,8 @@ def test_dynamic_sampled_tree_is_lossless_and_ranking_by_the_draw_is_not():
     assert_biased(*sampled_joint(small, make(_RankedByItsDraw), "multidraft_tree")[:2])
     with pytest.raises(ValueError, match="tree_sampling must be one of fixed, dynamic"):
         make(dspark.DSparkDrafter, tree_sampling="adaptive")
+    with pytest.raises(ValueError, match="tree_sampling dynamic .* needs tree_accept in \\(0, 1\\)"):
+        make(dspark.DSparkDrafter, tree_accept=0.0)  # 0: the top-k tree at every temperature, no prior to keep
 
 
 def test_toy_two_phrases_tree_covers_both_phrases(toy_runs):
