@@ -523,6 +523,10 @@ class DFlashDrafter(Drafter):
             if tree_sampling not in TREE_SAMPLINGS:
                 raise ValueError(f"{name}: tree_sampling must be one of {', '.join(TREE_SAMPLINGS)}, "
                                  f"got {tree_sampling!r}")
+            if tree_sampling == "dynamic" and not tree_accept:
+                raise ValueError(f"{name}: tree_sampling dynamic keeps per depth what the prior tree of tree_accept "
+                                 "has there (`trees.level_quotas`), which needs tree_accept in (0, 1); tree_accept 0 "
+                                 "is the top-k tree at every temperature")
             self.tree_sampling = tree_sampling
             self.sampled_shape = trees.rank_prior_tree(self.num_draft_tokens, self.top_k, self.depth,
                                                        tree_accept) if tree_accept else None
@@ -648,7 +652,7 @@ class DFlashDrafter(Drafter):
         draw = None if sampling is None else self.sampled_children(sampling, key, params.get("d2t"))
         draft = trees.grow_dynamic_tree(root_logits, expand, k, self.depth, self.num_draft_tokens,
                                         to_target=lambda ids: draft_to_target(ids, params.get("d2t")),
-                                        best_first=True, draw=draw, prior_accept=self.tree_accept or TREE_ACCEPT)
+                                        best_first=True, draw=draw, prior_accept=self.tree_accept)
         if draft.probs is None:
             return draft
         probs = draft_probs_to_target(draft.probs, params.get("d2t"), self.arch.cfg.vocab_size)

@@ -53,6 +53,9 @@ def check_results(results: dict, where: str = "results.json") -> None:
         _get(results, path, where)
     if not results["sets"]:
         raise CardError(f"{where} lacks sets: no prompt set was measured")
+    for s in results["sets"]:  # each set's column head: its prompt count, and whether it is untuned
+        _get(results, ("sets", s, "prompts"), where)
+        _get(results, ("sets", s, "untuned"), where)
     for method in methods("", 1, {}):
         for key in ("label", "with_lookup", "shape", "verified_nodes"):
             _get(results, ("methods", method, key), where)

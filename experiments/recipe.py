@@ -2,8 +2,9 @@
 
     specdec recipe configs/recipes/smollm2_135m_dspark.yaml [--until STAGE] [--only STAGE] [--dry-run]
 
-A recipe file (YAML) has `jobs`, the stages in order, each with a unique `name`, and `out`, the folder all their
-outputs go under (default runs/recipes/<file stem>; runs/ is never committed):
+A recipe file (YAML, read as every config file is: `extends: <file>` merges it over another, a repeated key is
+an error) has `jobs`, the stages in order, each with a unique `name`, and `out`, the folder all their outputs go
+under (default runs/recipes/<file stem>; runs/ is never committed):
 
     run: prompts HumanEval-shaped completion prompts from the `mbpp` and / or `gpteacher` files
                  (experiments.completion_prompts), into <out>/prompts/<name>/prompts.jsonl
@@ -34,8 +35,8 @@ config, the keys of the stages it read) and whether it finished. A finished stag
 is skipped; one begun and not finished runs again (data goes on from its finished shards, training from its last
 checkpoint); a stage whose record differs from the recipe (its job, its config, or a stage it read was made
 anew) is refused, the difference named: delete its folder to redo it. A card is derived from the rest alone: it
-is rendered again whenever what it shows changed, and `--only <card stage>` renders it again from the existing
-evaluation.
+is rendered again whenever the card its inputs make differs from the one on disk (an evaluation made anew), and
+`--only <card stage>` renders it again from the existing evaluation.
 
 Before anything runs, every stage is checked: its kind and keys, its config, and the stages it reads (they must
 exist, be of the right kind and come earlier: no cycles); an error names the stage and the problem.
@@ -140,7 +141,9 @@ def _check_job(path: str, i: int, job, kinds: tuple[str, ...], study: bool) -> d
     if study:
         return out
     wired = set(WIRED.get(kind, ())) | ({"data.datasets.0.name"} if kind == "data" and job.get("prompts") else set())
-    clash = sorted({s.split("=", 1)[0].strip() for s in sets} & wired)
+    keys = {s.split("=", 1)[0].strip() for s in sets}
+    # a key under a wired one (train.more_data.0.skip_shards) would be replaced by the wiring without a word
+    clash = sorted(k for k in keys if any(k == w or k.startswith(w + ".") for w in wired))
     if clash:
         raise RecipeError(f"{where}: `set` must not set {', '.join(clash)}: the recipe sets it (from the stage's "
                           "name, `out`, `data`, `init_from` or `prompts`)")
@@ -164,6 +167,7 @@ def _check_job(path: str, i: int, job, kinds: tuple[str, ...], study: bool) -> d
             raise RecipeError(f"{where}: `stop_at` must be a step >= 1 or null, got {stop_at!r}")
         if snap is not None and not (isinstance(snap, dict) and set(snap) <= {"step", "float16"}
                                      and (snap.get("step") is None or (isinstance(snap["step"], int)
+                                                                       and not isinstance(snap["step"], bool)
                                                                        and snap["step"] >= 1))
                                      and isinstance(snap.get("float16", False), bool)):
             raise RecipeError(f"{where}: `snapshot` must be {{step: N or null, float16: true|false}}, got {snap!r}")
@@ -245,13 +249,16 @@ def _a(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def _read_yaml(path: str):
-    import yaml
+def _read_yaml(path: str) -> dict:
+    """The file as the config system reads every YAML file (specdec.config.read_yaml: a repeated key is an error,
+    not silently the last one)."""
+    from specdec.config import read_yaml
+    from specdec.errors import ConfigError
 
-    p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"{path}: no such file")
-    return yaml.safe_load(p.read_text())
+    try:
+        return read_yaml(path)
+    except ConfigError as e:
+        raise RecipeError(str(e)) from None
 
 
 def _jobs(path: str, text, kinds: tuple[str, ...], study: bool) -> list[dict]:
@@ -270,10 +277,13 @@ def load_recipe(path: str) -> dict:
     unknown = sorted(set(text) - {"description", "out", "jobs"})
     if unknown:
         raise RecipeError(f"{path}: unknown key(s) {unknown} (a recipe has description, out and jobs)")
+    for key in ("description", "out"):
+        if not (text.get(key) is None or isinstance(text[key], str)):
+            raise RecipeError(f"{path}: `{key}` must be text, got {text[key]!r}")
     jobs = _jobs(path, text, KINDS, study=False)
     _check_references(path, jobs)
     out = text.get("out") or f"runs/recipes/{Path(path).stem}"
-    return {"path": str(path), "description": text.get("description", ""), "out": str(out), "jobs": jobs}
+    return {"path": str(path), "description": text.get("description") or "", "out": out, "jobs": jobs}
 
 
 def load_study(path: str) -> dict:
@@ -318,7 +328,7 @@ def job_paths(job: dict, sets: list[str], workdir: Path | str = ".",
     process)."""
     data_dir, output_dir, output_name = settings(job["config"], job["set"] + list(sets), "train.data_dir",
                                                  "output.dir", "output.name")
-    name = output_name if output_name not in (None, "None") else Path(job["config"]).stem
+    name = output_name or Path(job["config"]).stem  # as `specdec train` names its run
     return {"data_dir": Path(workdir, str(data_dir)), "run_dir": Path(workdir, str(output_dir), name), "name": name}
 
 
@@ -462,28 +472,38 @@ def _state(recipe: dict, job: dict, record: dict, where: Path) -> str:
     path = where / RECORD
     if not path.is_file():
         return "to run"
-    old = json.loads(path.read_text())
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        old = None
+    if not isinstance(old, dict):
+        raise RecipeError(f"stage {job['name']}: {path} is not a stage record (JSON): delete it, and the stage runs "
+                          "again (data and training go on from what they saved)")
     if old.get("key") != record["key"]:
         if job["run"] == "card":  # derived from the others alone: rendered again
             return "to run"
         return "changed: " + (", ".join(_differences(old, record)) or "its key")
     if old.get("done") and outputs_exist(recipe, job):
-        return "finished"
+        return "finished" if job["run"] != "card" or card_is_current(recipe, job) else "to run"
     return "to resume"
 
 
 def _write_record(where: Path, record: dict, done: bool) -> None:
     where.mkdir(parents=True, exist_ok=True)
-    (where / RECORD).write_text(json.dumps({**record, "done": done, "when": time.strftime("%Y-%m-%d %H:%M:%S")},
-                                           indent=2, default=str))
+    partial = where / (RECORD + ".partial")  # written whole, then renamed: a kill mid-write leaves the old record
+    partial.write_text(json.dumps({**record, "done": done, "when": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2,
+                                  default=str))
+    partial.replace(where / RECORD)
 
 
 def _prompt_args(job: dict, expand: bool = False) -> list[str]:
-    """The completion-prompt sources of a prompts stage as experiments.completion_prompts' arguments."""
-    import os
+    """The completion-prompt sources of a prompts stage as experiments.completion_prompts' arguments; `expand`:
+    their $VARIABLES and ~ expanded as every data path is (specdec.records.expand_path: an unset variable is an
+    error naming it). The record keeps them unexpanded, so the stage's key does not depend on where the data is."""
+    from specdec.records import expand_path
 
     return [a for k in ("mbpp", "gpteacher") if job.get(k)
-            for a in (f"--{k}", os.path.expandvars(job[k]) if expand else job[k])]
+            for a in (f"--{k}", str(expand_path(job[k])) if expand else job[k])]
 
 
 def command(recipe: dict, job: dict) -> str:
@@ -541,6 +561,8 @@ def run_recipe(path: str, run_cli: Callable[[list[str]], int], *, until: str | N
     states = {s["job"]["name"]: s["state"] for s in stages}
     for s in chosen:
         job, state = s["job"], s["state"]
+        if job["run"] == "card" and state == "finished" and not card_is_current(recipe, job):
+            state = "to run"  # its evaluation was made anew by this call
         number = f"{names.index(job['name']) + 1}/{len(names)}"
         if state.startswith("changed"):
             raise RecipeError(f"stage {job['name']} changed since its output in {s['dir']} was made ({state[9:]}): "
@@ -631,8 +653,26 @@ def lineage(recipe: dict, last: str) -> list[dict]:
 
 
 def write_card(recipe: dict, job: dict) -> Path:
-    """The card stage: README.md of the measured drafter's directory, rendered (experiments/card.py) from the
-    eval stage's results, drafter.json and the figures of the lineage's stages read from their outputs."""
+    """The card stage: README.md of the measured drafter's directory (`card_text`)."""
+    path, text = card_text(recipe, job)
+    path.write_text(text)
+    return path
+
+
+def card_is_current(recipe: dict, job: dict) -> bool:
+    """Whether the card on disk is the one the card stage's inputs make now. Its key cannot tell: an evaluation
+    made anew with the same job and config has the same key and other figures."""
+    try:
+        path, text = card_text(recipe, job)
+        return path.is_file() and path.read_text() == text
+    except (ValueError, OSError, KeyError, TypeError):  # an input missing or malformed: rendering it says what
+        return False
+
+
+def card_text(recipe: dict, job: dict) -> tuple[Path, str]:
+    """Where the card stage writes and what: README.md of the measured drafter's directory, rendered
+    (experiments/card.py) from the eval stage's results, drafter.json and the figures of the lineage's stages read
+    from their outputs."""
     jobs = by_name(recipe)
     eval_job = jobs[job["eval"]]
     results_path = stage_dir(recipe, eval_job) / RESULTS
@@ -659,9 +699,7 @@ def write_card(recipe: dict, job: dict) -> Path:
     text = render(results=results, results_path=str(results_path), drafter=drafter, drafter_path=str(where),
                   trainable=trainable, recipe_path=recipe["path"], card_stage=job["name"], eval_stage=eval_job["name"],
                   drafter_stage=eval_job["drafter"], lineage=stages)
-    path = where / CARD
-    path.write_text(text)
-    return path
+    return where / CARD, text
 
 
 # ---------------------------------------------------------------------------------------------------------

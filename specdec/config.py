@@ -611,6 +611,13 @@ def _read(source: str | Path | Mapping, base_dir: Path | None = None, chain: tup
     return _merge(_read(parent, here, chain), data)
 
 
+def read_yaml(path: str | Path) -> dict:
+    """The top-level mapping of a YAML file, read as every config file is (duplicate keys refused, `1e-3` a
+    float, `extends` resolved; a missing file or bad YAML is a ConfigError naming the file), for the file
+    formats that are not an ExperimentConfig: recipes and device studies (experiments/recipe.py)."""
+    return _read(path)
+
+
 def is_sweep(data: Any) -> bool:
     """A sweep file is recognised by a top-level `grid` or `runs` key."""
     return isinstance(data, Mapping) and ("grid" in data or "runs" in data)

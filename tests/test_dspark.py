@@ -440,14 +440,16 @@ def test_dynamic_sampled_tree_is_lossless_and_ranking_by_the_draw_is_not():
     assert_biased(*sampled_joint(small, make(_RankedByItsDraw), "multidraft_tree")[:2])
     with pytest.raises(ValueError, match="tree_sampling must be one of fixed, dynamic"):
         make(dspark.DSparkDrafter, tree_sampling="adaptive")
+    with pytest.raises(ValueError, match="tree_sampling dynamic .* needs tree_accept in \\(0, 1\\)"):
+        make(dspark.DSparkDrafter, tree_accept=0.0)  # 0: the top-k tree at every temperature, no prior to keep
 
 
 def test_toy_two_phrases_tree_covers_both_phrases(toy_runs):
     """At temperature 1 the chain bets on one of the two phrases after a marker; a tree of top_k=2 drafts both
     (the Markov head keeps each branch on its phrase), so multidraft_tree accepts more per round. This is the
-    top-k tree (tree_accept=0), whose shape follows the scores into both phrases; the sampled trees reach 4.70
-    (fixed shape) and 6.10 (dynamic) here, means of 3 seeds, and win on
-    real text at T=1 (`sample_tree`)."""
+    top-k tree (tree_accept=0), whose shape follows the scores into both phrases; the sampled trees reached 4.70
+    (fixed shape) and 6.10 (the dynamic growth when it cut all levels at once, a biased cut that level-by-level
+    quotas replace: docs/PARALLEL_DRAFTING.md) here, means of 3 seeds, and win on real text at T=1 (`sample_tree`)."""
     target, runs = toy_runs
     chain = runs["dspark"][1]
     prompts = [[MARKER], [4], [7, 8], [MARKER, 4, 5, 6]] * 4

@@ -6,8 +6,9 @@ only the tensors decoding reads, weight matrices float16; what ships in git (doc
   holding the same float16 weights (chain and tree, greedy and sampled), and its greedy output equals AR through
   the engine; W2 cut by a wrong id map (the negative control) drafts differently, so the parity check can fail;
 - the file is smaller by exactly the cut columns; W1, read at any previous token, is kept whole;
-- `train.init_from` refuses it, naming the tensors it lacks; a missing, reshaped or unreadable tensor is a clear
-  error; the vLLM export of it equals the full format's; DFlash (nothing to cut) goes through the same path.
+- `train.init_from` refuses it, naming the tensors it lacks, and so does a snapshot; a missing, reshaped or
+  unreadable tensor is a clear error; the vLLM export of it equals the full format's; DFlash (nothing to cut) goes
+  through the same path.
 
 The drafter directories are written with the training loop's writers from random weights (every head active)."""
 
@@ -16,13 +17,11 @@ import json
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from drafters import SHIPPED_DRAFTER, create_drafter, dflash, dspark
 from experiments import cli
-from specdec.drafter import RoundContext
 from specdec.engine import speculative_generate
 from specdec.export import export_run
 from specdec.generate import generate
@@ -32,6 +31,7 @@ from specdec.target import random_target
 from specdec.testing import prefill_for_drafter
 from specdec.train import checkpoint as ckpt
 from specdec.train.loop import initial_weights
+from tests.test_eagle3 import context
 
 G = 4  # block size: 4 drafts per block
 RANK = 8  # Markov rank
@@ -83,14 +83,6 @@ def dirs(tmp_path_factory, target):
            "full16": write_full(root / "full16", target, task, params, buffers, float16=True)}
     out["inference"] = export_run(out["full32"], root / "inference", "inference", None)
     return out
-
-
-def context(rows, cap=64):
-    seq = np.zeros((len(rows), cap), np.int32)
-    for i, r in enumerate(rows):
-        seq[i, : len(r)] = r
-    return RoundContext(jnp.asarray(seq), jnp.asarray([len(r) for r in rows], jnp.int32),
-                        jnp.zeros((len(rows),), bool))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -176,6 +168,16 @@ def test_init_from_refuses_the_inference_format_naming_what_it_lacks(dirs, targe
     assert params["markov"]["w2"].shape == (RANK, target.cfg.vocab_size)
 
 
+def test_snapshot_refuses_the_inference_format(dirs, tmp_path, target):
+    """A snapshot of an inference-format directory would write a full-format drafter.json over cut tensors."""
+    with pytest.raises(ckpt.CheckpointError, match="is an inference-format drafter .* not a training run"):
+        ckpt.snapshot(dirs["inference"], tmp_path / "snap")
+    assert not (tmp_path / "snap").exists()
+    ckpt.snapshot(dirs["full32"], tmp_path / "full", float16=True)  # the full format is frozen as before
+    frozen = ckpt.load_drafter(tmp_path / "full")
+    assert frozen["format"] == ckpt.FULL and frozen["params"]["markov"]["w2"].shape == (RANK, target.cfg.vocab_size)
+
+
 def edited(src, dst, tensors=None, meta=None):
     """A copy of the drafter directory `src` at `dst` with `tensors(params.npz dict)` / `meta(drafter.json dict)`
     applied in place."""
@@ -242,6 +244,9 @@ def test_export_command_writes_the_inference_format(dirs, tmp_path, capsys):
             np.testing.assert_array_equal(got[k], want[k])
     with pytest.raises(FileExistsError, match="exists and is not empty"):
         cli.main(["export", str(dirs["full32"]), "--format", "inference", str(out)])
+    (out / "README.md").write_text("the card of the drafter this export replaces")
+    assert cli.main(["export", str(dirs["full32"]), "--format", "inference", str(out), "--overwrite"]) == 0
+    assert not (out / "README.md").exists()  # the source has no card: none describes the new weights
     medusa = tmp_path / "medusa"  # a kind that declares no inference format
     ckpt.write_drafter_config(medusa, "medusa", {}, {})
     ckpt.export_params(medusa, {"w": np.zeros((2, 2))}, {}, 1)

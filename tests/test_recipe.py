@@ -2,8 +2,9 @@
 stages chained by init_from (the first snapshotted in float16, the second stopped early), an evaluation on two
 small prompt sets and the model card, run end to end through the CLI's commands; run again, every stage is
 skipped; a deleted or interrupted stage is resumed alone; a changed stage is refused; the card holds the
-evaluation's figures and refuses a results file that lacks one; every malformed recipe is an error naming the
-stage. The shipped recipe loads, and its last training stage resolves to the shipped drafter's own config."""
+evaluation's figures, follows an evaluation made anew and refuses a results file that lacks one; every malformed
+recipe is an error naming the stage; a prompts stage expands its paths and feeds its data stage. The shipped
+recipe loads, and its last training stage resolves to the shipped drafter's own config."""
 
 import json
 import shutil
@@ -148,6 +149,10 @@ def test_the_card_shows_the_evaluation_and_refuses_a_missing_figure(made):
         del got["sets"]["second"]["tau"]
         with pytest.raises(CardError, match="lacks results.ngram.sets.second.tau"):
             check_results(results)
+        bare = json.loads(saved)
+        del bare["sets"]["second"]["prompts"]  # a column head's figure
+        with pytest.raises(CardError, match="lacks sets.second.prompts"):
+            check_results(bare)
         results_path.write_text(json.dumps(results))
         with pytest.raises(CardError, match="lacks results.ngram.sets.second.tau"):
             write_card(recipe, recipe["jobs"][5])
@@ -156,6 +161,31 @@ def test_the_card_shows_the_evaluation_and_refuses_a_missing_figure(made):
     (out / "train" / "t2" / "README.md").unlink()
     assert run_recipe(made["path"], Calls(), only="card", progress=False, log=lambda _: None) == 0
     assert (out / "train" / "t2" / "README.md").read_text() == card  # the same card from the same evaluation
+
+
+def test_the_card_follows_an_evaluation_made_anew(made):
+    """The eval stage's results changed under the same job and config (made anew: the same key): the next run
+    renders the card again and skips every other stage; the results restored, the card is rendered back."""
+    out = made["work"] / "out"
+    results_path, card_path = out / "eval" / "eval" / RESULTS, out / "train" / "t2" / "README.md"
+    saved, card = results_path.read_text(), card_path.read_text()
+
+    def no_command(argv):
+        raise AssertionError(f"a finished stage ran again: {argv}")
+
+    results = json.loads(saved)
+    results["results"]["ngram"]["sets"]["first"]["tau"] = 9.8765  # no tau of a 3-node draft
+    try:
+        results_path.write_text(json.dumps(results))
+        dry = []
+        run_recipe(made["path"], no_command, dry_run=True, log=dry.append)
+        assert sum(": finished" in line for line in dry) == 5 and any("card (card): to run" in line for line in dry)
+        assert run_recipe(made["path"], no_command, progress=False, log=lambda _: None) == 0
+        assert "| 9.88 |" in card_path.read_text()
+    finally:
+        results_path.write_text(saved)
+    assert run_recipe(made["path"], no_command, progress=False, log=lambda _: None) == 0
+    assert card_path.read_text() == card
 
 
 def test_a_second_run_skips_every_stage(made):
@@ -231,6 +261,12 @@ BAD = [
                                                                               r"'d', a data stage"),
     ("- {name: t, run: train, config: TINY, data: []}", r"job 0 \(t\): `data` must name the data stage"),
     ("- {name: e, run: eval, config: TINY, drafter: x, nodes: 0}", r"job 0 \(e\): `nodes` .* >= 1"),
+    ("- {name: d, run: data, config: TINY}\n- {name: t, run: train, config: TINY, data: [d, d], "
+     "set: [train.more_data.0.skip_shards=1]}", r"job 1 \(t\): `set` must not set train.more_data.0.skip_shards"),
+    ("- {name: d, run: data, config: TINY}\n- {name: t, run: train, config: TINY, data: [d], snapshot: {step: true}}",
+     r"job 1 \(t\): `snapshot` must be \{step: N or null"),
+    # read as every config file is: a repeated key is an error, not silently the last one
+    ("- {name: a, run: data, config: TINY, set: [data.seed=1], set: [data.seed=2]}", r"duplicate key 'set'"),
 ]
 
 
@@ -252,7 +288,42 @@ def test_bad_flags_and_unfinished_inputs(tmp_path):
         run_recipe(path, Calls(), only="card", log=lambda _: None)
     with pytest.raises(RecipeError, match="jobs` must be a non-empty list"):
         load_recipe(write(tmp_path / "empty.yaml", {"jobs": []}))
+    with pytest.raises(RecipeError, match="`out` must be text, got \\['x'\\]"):
+        load_recipe(write(tmp_path / "out.yaml", {"out": ["x"], "jobs": []}))
+    record = tmp_path / "out" / "data" / "d1" / "recipe_stage.json"
+    record.parent.mkdir(parents=True)
+    record.write_text('{"stage": "d1", "key": ')  # cut short
+    with pytest.raises(RecipeError, match=r"stage d1: .*recipe_stage.json is not a stage record \(JSON\): delete it"):
+        plan(load_recipe(path))
     assert cli.main(["train", TINY, "--stop-at-step", "0"]) == 2  # a clear error, not a run
+
+
+def test_a_prompts_stage_expands_its_paths_and_feeds_its_data_stage(tmp_path, monkeypatch):
+    """A prompts stage's sources are expanded as every data path is ($VARIABLES: an unset one is an error naming
+    it) and kept unexpanded in its record; its prompts.jsonl becomes the first dataset of the data stage that names
+    it."""
+    record = {"task_id": 601, "text": "Add two numbers.", "code": "def add(a, b):\n    return a + b",
+              "test_list": ["assert add(1, 2) == 3"]}
+    (tmp_path / "mbpp.jsonl").write_text(json.dumps(record) + "\n")
+    path = write(tmp_path / "p.yaml", {"out": str(tmp_path / "out"), "jobs": [
+        {"name": "p", "run": "prompts", "mbpp": "${RECIPE_TEST_DATA}/mbpp.jsonl"},
+        {"name": "d", "run": "data", "config": TINY, "prompts": "p"}]})
+
+    def no_command(argv):
+        raise AssertionError(f"a prompts stage runs no specdec command: {argv}")
+
+    monkeypatch.delenv("RECIPE_TEST_DATA", raising=False)
+    with pytest.raises(ValueError, match=r"uses \$RECIPE_TEST_DATA, which is not set"):
+        run_recipe(path, no_command, until="p", log=lambda _: None)
+    monkeypatch.setenv("RECIPE_TEST_DATA", str(tmp_path))
+    assert run_recipe(path, no_command, until="p", log=lambda _: None) == 0
+    written = tmp_path / "out" / "prompts" / "p" / "prompts.jsonl"
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["mbpp-601"] and "def add(a, b):" in rows[0]["prompt"]
+    stages = plan(load_recipe(path))
+    assert [s["state"] for s in stages] == ["finished", "to run"]
+    assert stages[0]["record"]["job"]["mbpp"] == "${RECIPE_TEST_DATA}/mbpp.jsonl"
+    assert stages[1]["record"]["config"]["data.datasets.0.name"] == str(written)
 
 
 def test_the_shipped_recipe_loads_and_its_last_stage_is_the_shipped_drafters_config(tmp_path):

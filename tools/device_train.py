@@ -539,17 +539,16 @@ def device(args) -> int:
         print(f"[device_train] results in {out}: {sorted(p.name for p in out.iterdir())}", flush=True)
 
 
-def _settings(config: str, sets: list[str], env: dict, *keys: str) -> list[str]:
-    """Settings ("section.key") of the config after the --set overrides, read in one child process with the
-    wheels' path (`env`): this process started before they were installed."""
-    code = ("import json, sys; from specdec.config import load_config, to_dict; "
-            "c = to_dict(load_config(sys.argv[1], sys.argv[3:])); "
-            "print(json.dumps([c[s][k] for s, k in (key.split('.') for key in json.loads(sys.argv[2]))]))")
+def _settings(config: str, sets: list[str], env: dict, *keys: str) -> list:
+    """`recipe.read_settings` (settings "section.key" of the config after the --set overrides) in one child
+    process with the wheels' path (`env`): this process started before they were installed."""
+    code = ("import json, sys; from experiments.recipe import read_settings; "
+            "print(json.dumps(read_settings(sys.argv[1], sys.argv[3:], *json.loads(sys.argv[2]))))")
     done = subprocess.run([sys.executable, "-c", code, config, json.dumps(keys), *sets], capture_output=True,
                           text=True, cwd=REPO, env=env)
     if done.returncode != 0:
         raise DeviceTrainError(f"cannot read {', '.join(keys)} of {config}: {done.stderr[-500:]}")
-    return [str(v) for v in json.loads(done.stdout)]
+    return json.loads(done.stdout)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -99,11 +99,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str,
                                            embed=target.params["embed"], head=target.output_projection(),
                                            num_draft_tokens=int(k), verifier=verifier)
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} is a file; the export writes a directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; pass --overwrite or choose another directory")
-    out.mkdir(parents=True, exist_ok=True)
+    ckpt.make_export_dir(out, overwrite)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     tmp = out / "model.partial.safetensors"
     save_file(tensors, str(tmp), metadata={"format": "pt"})  # "pt": what transformers / vLLM expect in the header

@@ -226,6 +226,16 @@ def tensor_list(params: Any, buffers: Any) -> dict[str, dict]:
     return {k: {"shape": list(np.shape(v)), "dtype": str(np.asarray(v).dtype)} for k, v in flat.items()}
 
 
+def make_export_dir(out: Path, overwrite: bool) -> None:
+    """Create the directory an export writes into; a file there, or a directory that holds files without
+    `overwrite`, is refused (FileExistsError)."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; the export writes a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass --overwrite or choose another directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+
 def export_inference(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write the drafter of `source` (a training run or a drafter directory: `load_drafter`) into `out` in the
     inference format (module docstring): only the tensors decoding reads, weight matrices float16; a run's
@@ -239,13 +249,9 @@ def export_inference(source: str | os.PathLike, out: str | os.PathLike, *, overw
     todo = {} if d2t is None else {n: a for n, a in axes.items() if n not in done}
     cut = {**done, **{n: {"axis": a, "full": int(np.shape(_leaf(info["params"], n))[a])} for n, a in todo.items()}}
     params = float16_matrices(slice_draft_vocab(info["params"], np.asarray(d2t), todo))
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} is a file; the export writes a directory")
     if out.exists() and out.resolve() == src.resolve():
         raise FileExistsError(f"{out} is the source directory; write the inference format into another one")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; pass --overwrite or choose another directory")
-    out.mkdir(parents=True, exist_ok=True)
+    make_export_dir(out, overwrite)
     export_params(out, params, info["buffers"], info["step"])
     meta = {"drafter": kind, "config": info["config"], "target": info["target"], "format": INFERENCE,
             "draft_vocab_cut": cut, "tensors": tensor_list(params, info["buffers"]),
@@ -254,6 +260,8 @@ def export_inference(source: str | os.PathLike, out: str | os.PathLike, *, overw
     for name in COPIED_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)
+        elif (out / name).is_file():  # the overwritten drafter's: it would describe that one, not these weights
+            (out / name).unlink()
     return out
 
 
@@ -356,11 +364,14 @@ def snapshot(run: str | os.PathLike, out: str | os.PathLike, step: int | None = 
     DSpark's calibrated confidences) if it finished, else its newest checkpoint. `float16`: the weight matrices
     stored float16 (vectors and buffers as trained; the drafter upcasts on load). drafter.json also records the
     run, the step, the weights' source and (from a checkpoint) the examples seen; the run's config.yaml is copied
-    beside it, and its summary.json with the final weights. Returns `load_drafter`'s dict of what was written."""
-    import shutil
-
+    beside it, and its summary.json with the final weights. Returns `load_drafter`'s dict of what was written.
+    An inference-format source is refused: its drafter.json would lose the format, and its cut tensors would then
+    load as full ones (cut again, by ids past their width)."""
     run, out = Path(run), Path(out)
     info = load_drafter(run, step=step)  # a resumed run still training: its newest checkpoint
+    if info["format"] == INFERENCE:
+        raise CheckpointError(f"{run} is an inference-format drafter (`specdec export --format inference`), not a "
+                              "training run: use it as it is, or snapshot the run it was exported from")
     final = info["source"] == str(run / PARAMS_FILE)
     snap = {"run": str(run), "step": info["step"], "source": info["source"],
             **({"examples_seen": info["examples_seen"]} if "examples_seen" in info else {})}
