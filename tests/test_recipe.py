@@ -284,7 +284,7 @@ def test_a_second_recipe_shares_the_data_and_measures_medusa_with_its_static_tre
     """Medusa's tree is its `tree_paths` (the eval's `tree` is the drafter's own parameters), its node count
     checked against `nodes` before anything is decoded."""
     work, out = made["work"], made["work"] / "out"
-    medusa = ["drafter.name=medusa", "train.drafter_options={num_heads: 3}", *TRAIN[:-1]]
+    medusa = ["drafter.name=medusa", "train.drafter_options={num_heads: 3}", *TRAIN[:-1], "train.steps=2"]
     paths = [[0], [1], [0, 0]]
     path = write(work / "medusa.yaml", {"out": str(out), "jobs": [
         tiny_recipe(work)["jobs"][0],  # d1, as the first recipe lists it
