@@ -55,14 +55,19 @@ def create_drafter(name: str | None, target, num_draft_tokens: int = 5, **params
         from specdec.train.checkpoint import drafter_kind
 
         name = drafter_kind(params["path"])
-    if name not in _FACTORIES:
-        raise ValueError(f"unknown drafter {name!r}; available drafters: {', '.join(sorted(_FACTORIES))}")
+    accepted = parameters(name)
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-    factory = _FACTORIES[name]
-    accepted = [p for p in inspect.signature(factory).parameters if p not in ("target", "num_draft_tokens")]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ValueError(f"drafter {name!r} got unknown parameter(s) {', '.join(unknown)}; "
                          f"its parameters are: {', '.join(accepted) or '(none)'}")
-    return factory(target, num_draft_tokens, **params)
+    return _FACTORIES[name](target, num_draft_tokens, **params)
+
+
+def parameters(name: str) -> list[str]:
+    """The parameters drafter `name` takes (its factory's, beyond the target and num_draft_tokens)."""
+    _load_all()
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown drafter {name!r}; available drafters: {', '.join(sorted(_FACTORIES))}")
+    return [p for p in inspect.signature(_FACTORIES[name]).parameters if p not in ("target", "num_draft_tokens")]

@@ -148,9 +148,10 @@ def render(*, results: dict, results_path: str, drafter: dict, drafter_path: str
     if trainable:
         lines.append(f"- {trainable:,} trainable parameters.")
     lines += ["", "## How it was made", "",
-              f"`specdec recipe {recipe_path}` runs the stages in order, each training stage continuing the drafter "
-              "of the one before it (`init_from`); it resumes an interrupted stage and skips finished ones "
-              "(docs/TRAINING.md, \"The recipe\"). The stages of this drafter's lineage:", "",
+              f"`specdec recipe {recipe_path}` runs the stages in order, a training stage continuing the drafter "
+              "of the stage its `init_from` names (the last column; scratch: none); it resumes an interrupted stage "
+              "and skips finished ones (docs/TRAINING.md, \"The recipe\"). The training stages that made this "
+              "drafter:", "",
               "| stage | config (overrides) | data | steps, lr, batch | from |", "|---|---|---|---|---|"]
     total = 0
     for job in lineage:

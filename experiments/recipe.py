@@ -19,8 +19,10 @@ under (default runs/recipes/<file stem>; runs/ is never committed):
                  directory without `snapshot`, is the stage's drafter: what `init_from` and `drafter` read.
     run: eval    the engine tau of the drafter of the train stage named in `drafter`, on the prompts, model,
                  length and batch of the experiment config `config` (+ `set`), at T = 0 with every drafted node
-                 verified: the drafter alone as a `nodes`-token chain and as a `nodes`-node tree (`tree`: its
-                 tree parameters), and n-gram prompt lookup and suffix decoding at the same `nodes` per round,
+                 verified: the drafter alone as a `nodes`-token chain and as a `nodes`-node tree (`tree`: the
+                 drafter's own tree parameters, tree_top_k / tree_depth for the dynamic trees, tree_paths for
+                 Medusa's static one; every method must draft `nodes` a round, checked before decoding), and
+                 n-gram prompt lookup and suffix decoding at the same `nodes` per round,
                  measured by experiments.compare (the quickstart's comparison: AR first, each output checked
                  against AR's). `untuned` names the prompt sets no stage trained or was tuned on. One JSON:
                  <out>/eval/<name>/results.json.
@@ -39,7 +41,14 @@ is rendered again whenever the card its inputs make differs from the one on disk
 `--only <card stage>` renders it again from the existing evaluation.
 
 Before anything runs, every stage is checked: its kind and keys, its config, and the stages it reads (they must
-exist, be of the right kind and come earlier: no cycles); an error names the stage and the problem.
+exist, be of the right kind and come earlier: no cycles); a train stage's train.drafter_options must be options
+of the drafter its drafter.name trains, its `init_from` a drafter of that kind, and an eval stage's `tree`
+parameters of the drafter it measures; an error names the stage and the problem.
+
+A stage's outputs are keyed by their folder: recipes that share `out` (the recipes of one target,
+configs/recipes/smollm2_135m_*.yaml, all write under runs/recipes/smollm2_135m) share a data stage they both
+list with the same name and job, so it is made once and every other recipe finds it finished; one listed under
+the same name with another job is refused as changed.
 
 The same format, without `out`, `name`s or the prompts / eval / card kinds, is a study for a lent accelerator
 (tools/device_train.py, `load_study`): `data` / `train` jobs whose outputs go where their configs say, each with
@@ -413,6 +422,7 @@ def plan(recipe: dict) -> list[dict]:
     from specdec.config import load_config, to_dict
 
     keys: dict[str, str] = {}
+    methods: dict[str, str] = {}  # train stage -> the drafter it trains
     out = []
     for job in recipe["jobs"]:
         config = None
@@ -422,6 +432,10 @@ def plan(recipe: dict) -> list[dict]:
             except (ValueError, OSError) as e:  # ConfigError is a ValueError
                 raise RecipeError(f"stage {job['name']}: {job['config']}: {e}") from None
             config = {k: v for k, v in flatten_config(to_dict(cfg)).items() if k not in UNKEYED}
+        if job["run"] == "train":
+            methods[job["name"]] = _check_method(job, config, methods)
+        elif job["run"] == "eval":
+            _check_tree(job, methods[job["drafter"]])
         spec = {k: v for k, v in job.items() if k != "seconds"}
         if job["run"] == "card":  # the card shows the whole recipe: any stage's change changes it
             spec["recipe"] = [{k: v for k, v in j.items() if k != "seconds"} for j in recipe["jobs"]]
@@ -434,6 +448,44 @@ def plan(recipe: dict) -> list[dict]:
         where = stage_dir(recipe, job)
         out.append({"job": job, "record": record, "dir": where, "state": _state(recipe, job, record, where)})
     return out
+
+
+def _check_method(job: dict, config: dict, methods: dict[str, str]) -> str:
+    """The drafter a train stage trains (its config's drafter.name), checked against the stage: every
+    train.drafter_options key must be an option of that drafter's training task, and the drafter it continues
+    (`init_from`) one of the same drafter. A mismatch is a RecipeError naming the stage and the field, before any
+    stage runs (training would refuse it only after the data stages)."""
+    import drafters
+    from specdec.train.tasks import task_options
+
+    drafters.available()  # drafter modules register their training tasks on import
+    where, method = f"stage {job['name']}", config["drafter.name"]
+    try:
+        allowed = task_options(method)
+    except ValueError as e:
+        raise RecipeError(f"{where}: drafter.name: {e}") from None
+    prefix = "train.drafter_options."
+    unknown = sorted({k[len(prefix):].split(".")[0] for k in config if k.startswith(prefix)} - set(allowed))
+    if unknown:
+        raise RecipeError(f"{where}: {', '.join(prefix + u for u in unknown)}: not an option of drafter {method!r} "
+                          f"(its drafter.name); the options of {method} are: {', '.join(allowed)}")
+    source = job["init_from"]
+    if source and methods[source] != method:
+        raise RecipeError(f"{where}: `init_from` names {source!r}, which trains {methods[source]}, but this stage "
+                          f"trains {method} (its drafter.name): a drafter continues only a drafter of its own kind")
+    return method
+
+
+def _check_tree(job: dict, method: str) -> None:
+    """An eval stage's `tree` holds parameters of the drafter it measures (tree_top_k / tree_depth for the
+    dynamic trees, tree_paths for Medusa's static one), else a RecipeError naming the stage and the key."""
+    import drafters
+
+    allowed = [p for p in drafters.parameters(method) if p != "path"]  # the recipe sets the path
+    unknown = sorted(set(job["tree"]) - set(allowed))
+    if unknown:
+        raise RecipeError(f"stage {job['name']}: `tree` sets {', '.join(unknown)}, which drafter {method!r} (stage "
+                          f"{job['drafter']}) does not take; its parameters are: {', '.join(allowed)}")
 
 
 def _differences(old: dict, new: dict) -> list[str]:
@@ -722,6 +774,7 @@ def evaluate(cfg, drafter_path: Path, *, nodes: int, tree: dict, untuned: list[s
     suffix decoding at `nodes` per round (experiments.compare: AR first; outputs checked against AR's). The
     figures are counts (tokens committed per verification round, rounds whose first draft was accepted), the
     same on any machine; no timings. Returns the results JSON."""
+    from drafters import create_drafter
     from experiments.build import build_target, codec_for, encode_prompt
     from experiments.compare import DrafterSpec, compare
     from experiments.datasets import load_all
@@ -749,6 +802,14 @@ def evaluate(cfg, drafter_path: Path, *, nodes: int, tree: dict, untuned: list[s
              "drafter_tree": DrafterSpec(kind, nodes, {"path": path, **tree}, "greedy_tree"),
              "ngram": DrafterSpec("ngram", nodes, {"max_ngram": 3}, "greedy_chain"),
              "suffix": DrafterSpec("suffix", nodes, {}, "greedy_tree")}
+    for method, spec in specs.items():  # each drafts `nodes` a round, checked before anything is decoded
+        try:
+            drafts = create_drafter(spec.name, target, spec.num_draft_tokens, **spec.params).num_draft_tokens
+        except ValueError as e:
+            raise RecipeError(f"{where}: {method} ({spec.name}): {e}") from None
+        if drafts != nodes:  # a static tree's size is its paths' count (Medusa's tree_paths), not `nodes`
+            raise RecipeError(f"{where}: {method} drafts {drafts} nodes a round, not `nodes` ({nodes}): every method "
+                              "is compared at the same verified nodes; give a `tree` of that size")
     results = {m: {"sets": {}} for m in specs}
     for name in sets:
         ids = [encode_prompt(codec, p, chat) for p in prompts if p.dataset == name]

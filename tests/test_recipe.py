@@ -3,8 +3,12 @@ stages chained by init_from (the first snapshotted in float16, the second stoppe
 small prompt sets and the model card, run end to end through the CLI's commands; run again, every stage is
 skipped; a deleted or interrupted stage is resumed alone; a changed stage is refused; the card holds the
 evaluation's figures, follows an evaluation made anew and refuses a results file that lacks one; every malformed
-recipe is an error naming the stage; a prompts stage expands its paths and feeds its data stage. The shipped
-recipe loads, and its last training stage resolves to the shipped drafter's own config."""
+recipe is an error naming the stage; a prompts stage expands its paths and feeds its data stage. A second recipe
+writing to the same folder finds the data stage it shares finished and measures another drafter (Medusa, with its
+static tree) through the same eval and card stages; a drafter option, `init_from` or `tree` that does not fit the
+stage's drafter is refused before anything runs. Every shipped recipe plans, its eval stage measures the method its
+file is named after, and the data stages it shares with the DSpark recipe are the same stages; the DSpark recipe's
+last training stage resolves to the shipped drafter's own config."""
 
 import json
 import shutil
@@ -16,12 +20,14 @@ import yaml
 
 from experiments import cli
 from experiments.card import CardError, check_results
-from experiments.recipe import (RESULTS, RecipeError, flatten_config, lineage, load_recipe, plan, run_recipe,
-                                stage_dir, write_card)
+from experiments.recipe import (RESULTS, RecipeError, evaluate, flatten_config, lineage, load_recipe, plan,
+                                run_recipe, stage_dir, write_card)
+from specdec.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "train" / "tiny.yaml")
 SHIPPED = REPO / "configs" / "recipes" / "smollm2_135m_dspark.yaml"
+RECIPES = sorted((REPO / "configs" / "recipes").glob("*.yaml"))
 # both training stages share one schedule, so the second runs the train step the first compiled; EAGLE-3 with
 # one training-time-test step compiles fastest
 TRAIN = ["train.steps=6", "train.batch_size=4", "train.eval_examples=4", "train.eval_every=2",
@@ -343,3 +349,77 @@ def test_the_shipped_recipe_loads_and_its_last_stage_is_the_shipped_drafters_con
         assert last[key] == expected[key], key
     mix = next(s for s in stages if s["job"]["name"] == "mix")
     assert mix["job"]["stop_at"] == 606 and mix["record"]["config"]["train.steps"] == 4000
+
+
+def test_a_second_recipe_shares_the_data_and_measures_medusa_with_its_static_tree(made):
+    """Medusa's tree is its `tree_paths` (the eval's `tree` is the drafter's own parameters), its node count
+    checked against `nodes` before anything is decoded."""
+    work, out = made["work"], made["work"] / "out"
+    medusa = ["drafter.name=medusa", "train.drafter_options={num_heads: 3}", *TRAIN[:-1], "train.steps=2"]
+    paths = [[0], [1], [0, 0]]
+    path = write(work / "medusa.yaml", {"out": str(out), "jobs": [
+        tiny_recipe(work)["jobs"][0],  # d1, as the first recipe lists it
+        {"name": "tm", "run": "train", "config": TINY, "data": ["d1"], "init_from": None, "set": medusa},
+        {"name": "eval_medusa", "run": "eval", "config": str(work / "eval.yaml"), "drafter": "tm", "nodes": 3,
+         "tree": {"tree_paths": paths}, "untuned": ["second"]},
+        {"name": "card_medusa", "run": "card", "eval": "eval_medusa"}]})
+    calls, logs = Calls(), []
+    assert run_recipe(path, calls, progress=False, log=logs.append) == 0
+    assert calls.argv == [["train", TINY]] and any("d1 (data): finished, skipped" in line for line in logs)
+    results = json.loads((out / "eval" / "eval_medusa" / RESULTS).read_text())
+    assert results["drafter"]["kind"] == "medusa"
+    assert results["methods"]["drafter_tree"]["shape"] == f"tree (tree_paths {paths})"
+    for method in results["results"].values():
+        for figures in method["sets"].values():
+            assert figures["tau"] >= 1 and figures["same_as_ar"] is True
+    card = (out / "train" / "tm" / "README.md").read_text()
+    assert card.startswith("# medusa drafter") and f"tree_paths={paths})" in card
+    cfg = load_config(str(work / "eval.yaml"), [])
+    with pytest.raises(RecipeError, match=r"stage eval: drafter_tree drafts 4 nodes a round, not `nodes` \(3\)"):
+        evaluate(cfg, out / "train" / "tm", nodes=3, tree={"tree_paths": [*paths, [2]]}, untuned=[], log=print)
+    with pytest.raises(RecipeError, match=r"stage eval: drafter_chain \(medusa\): medusa has 3 heads"):
+        evaluate(cfg, out / "train" / "tm", nodes=4, tree={"tree_paths": paths}, untuned=[], log=print)
+
+
+MISMATCH = [
+    ({"t1": {"set": [*TRAIN, "train.drafter_options.markov_rank=64"]}},
+     r"stage t1: train.drafter_options.markov_rank: not an option of drafter 'eagle3' \(its drafter.name\); the "
+     r"options of eagle3 are: taps, draft_vocab_size, ttt_steps"),
+    ({"t1": {"set": [*TRAIN, "drafter.name=ngram"]}}, r"stage t1: drafter.name: drafter 'ngram' has no training task"),
+    ({"t2": {"set": [*TRAIN[:-1], "drafter.name=medusa", "train.drafter_options={num_heads: 3}"]}},
+     r"stage t2: `init_from` names 't1', which trains eagle3, but this stage trains medusa"),
+    ({"eval": {"tree": {"tree_paths": [[0], [1], [0, 0]]}}},
+     r"stage eval: `tree` sets tree_paths, which drafter 'eagle3' \(stage t2\) does not take; its parameters are: "
+     r"tree_top_k, tree_depth"),
+]
+
+
+@pytest.mark.parametrize("changes,message", MISMATCH)
+def test_a_stage_that_does_not_fit_its_drafter_is_refused_before_anything_runs(tmp_path, changes, message):
+    eval_config(tmp_path)
+    path = write(tmp_path / "r.yaml", tiny_recipe(tmp_path, **changes))
+    with pytest.raises(RecipeError, match=message):
+        run_recipe(path, Calls(), dry_run=True, log=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def dspark_keys():
+    return {s["job"]["name"]: s["record"]["key"] for s in plan(load_recipe(str(SHIPPED)))}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_shipped_recipe_plans_and_measures_its_method(path, dspark_keys, capsys):
+    assert cli.main(["recipe", str(path), "--dry-run"]) == 0  # every stage checked, its command printed
+    assert f"[recipe] {path}" in capsys.readouterr().out
+    recipe = load_recipe(str(path))
+    assert recipe["out"] == load_recipe(str(SHIPPED))["out"]  # the data stages' folders are the DSpark recipe's
+    stages = {s["job"]["name"]: s for s in plan(recipe)}  # reads the stages' records, writes nothing
+    method = path.stem.removeprefix("smollm2_135m_")
+    evals = [s for s in stages.values() if s["job"]["run"] == "eval"]
+    assert evals and all(stages[s["job"]["drafter"]]["record"]["config"]["drafter.name"] == method for s in evals)
+    assert {s["job"]["run"] for s in stages.values()} >= {"data", "train", "eval", "card"}
+    shared = [name for name, s in stages.items() if s["job"]["run"] == "data" and name in dspark_keys]
+    assert shared  # a recipe of the same target reuses the DSpark recipe's data ...
+    for name in shared:  # ... as the very same stage: made once, found finished by the other recipe
+        assert stages[name]["record"]["key"] == dspark_keys[name], name

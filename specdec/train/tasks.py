@@ -47,21 +47,26 @@ def available_tasks() -> list[str]:
     return sorted(_TASKS)
 
 
-def make_task(name: str, target, options: dict | None = None):
-    """The registered task `name` for `target` (import `drafters` first so drafter modules register)."""
+def task_options(name: str) -> list[str]:
+    """The options (train.drafter_options) of the registered task `name` (import `drafters` first so drafter
+    modules register)."""
     if name not in _TASKS:
         raise ValueError(f"drafter {name!r} has no training task; trainable drafters: "
                          f"{', '.join(available_tasks()) or '(none registered: import drafters first)'}")
-    options = dict(options or {})
     import inspect
 
-    factory = _TASKS[name]
-    accepted = [p for p in inspect.signature(factory).parameters if p != "target"]
+    return [p for p in inspect.signature(_TASKS[name]).parameters if p != "target"]
+
+
+def make_task(name: str, target, options: dict | None = None):
+    """The registered task `name` for `target` (import `drafters` first so drafter modules register)."""
+    accepted = task_options(name)
+    options = dict(options or {})
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(f"train.drafter_options: drafter {name!r} got unknown option(s) {', '.join(unknown)}; "
                          f"its options are: {', '.join(accepted) or '(none)'}")
-    return factory(target, **options)
+    return _TASKS[name](target, **options)
 
 
 class DraftEval(NamedTuple):
