@@ -44,6 +44,7 @@ import numpy as np
 from benchmarks.common import (Method, Prompts, Report, add_output_arg, build_methods, decode_ar, decode_method,
                                interval_text, load_config_prompts, median_interval, method_configs_of)
 from benchmarks.cost_fit import fit_line, fit_round_costs
+from experiments.sweep import trim_heap
 from specdec.metrics import DecodeMetrics, merge, speedup
 
 AR = "AR"
@@ -75,6 +76,7 @@ def interleaved_passes(target, methods: list[Method], prompts: Prompts, repeats:
                         by_name[name].reset()
                     tokens, metrics = decode_method(by_name[name], target, ids, seed, limits)
                 got[name].setdefault(dataset, []).append((batch, tokens, metrics))
+                trim_heap()  # untimed: each call's freed caches would otherwise stay resident through the run
         passes.append(got)
         if repeats > 1:
             log(f"pass {r + 1}/{repeats} done")

@@ -149,6 +149,9 @@ def main(argv=None) -> dict:
         result = bench_speculative.compare(method_configs, table["repeats"], target=target, drafters=drafters)
         results[f"batch_{batch}"] = result
         all_cells += cells(result["rows"], labels)
+        from experiments.sweep import release_memory
+
+        release_memory()  # this batch size's programs and freed buffers (benchmarks/batch_scaling.py)
     report.finish()
     header, rows = table_rows(all_cells, report.meta)
     cfg = load_method_configs(configs, overrides)[0][1]

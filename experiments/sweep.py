@@ -48,6 +48,13 @@ def release_memory() -> None:
     rows): glibc keeps freed blocks below its mmap threshold in the heap, so a run's buffers stayed resident
     until `malloc_trim`, and the jit caches held each run's programs. Elsewhere than glibc the trim is skipped."""
     jax.clear_caches()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the heap's freed blocks back to the OS (glibc keeps those below its mmap threshold: a batch-32 KV
+    layer buffer is one); the compiled programs stay. Between the decode calls of one comparison, so the methods
+    of a batch size do not stack their freed buffers. Elsewhere than glibc it does nothing."""
     gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)

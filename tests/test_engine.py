@@ -506,3 +506,34 @@ def test_speculative_cache_is_ar_cache_plus_its_slack():
     prompt = [[1 + i % 50 for i in range(190)]]
     *_, capacity = engine.loop_setup(target, drafter, prompt, "greedy_chain", 64, GREEDY, None, None, "none")
     assert capacity == cache_capacity([190], 64) + SLACK_ALIGN == CAPACITY_BUCKET + SLACK_ALIGN
+
+
+def test_starting_a_loop_allocates_no_second_cache(monkeypatch):
+    """The started state holds the prefilled KV cache itself: `_initial_state` takes it donated (returned
+    without donation, XLA copied every layer's cache: two caches alive, 3.1 GB at batch 64 with 528 slots), and
+    `start` hands the state the Prefilled's own buffers (it starts one run) where the round-cost profile's runs,
+    which share one Prefilled, get copies. The output is unchanged (AR's)."""
+    from specdec import engine
+    from specdec.sampling import sample_key
+
+    target = peaky_target(3)
+    drafter = create_drafter("ngram", target, 4, max_ngram=2)
+    spec, tokens, lengths, limits, capacity = engine.loop_setup(target, drafter, PROMPTS, "greedy_chain", 9, GREEDY,
+                                                                None, None, None)
+    cache = target.init_cache(len(tokens), capacity)
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves((cache.k, cache.v)))
+    logits = jnp.zeros((len(tokens), target.cfg.vocab_size), jnp.float32)
+    compiled = engine._initial_state.lower(spec, tokens, lengths, logits, cache, sample_key(0, len(tokens)), 2,
+                                           capacity=capacity).compile()
+    assert compiled.memory_analysis().alias_size_in_bytes >= cache_bytes  # the cache goes through in place
+    copied = []
+    copy = engine._copy
+    monkeypatch.setattr(engine, "_copy", lambda x: copied.append(x) or copy(x))
+    state = engine.start(spec, target, drafter, cache, tokens, lengths, capacity, limits, 0)
+    assert not copied
+    ready = engine.prefilled(spec, target, drafter, target.init_cache(len(tokens), capacity), tokens, lengths,
+                             capacity, 0)
+    ready.state(limits)
+    assert copied  # a Prefilled that starts several runs still copies for each
+    out = engine._decode(spec, target, drafter, state, lengths, True)
+    assert out.tokens == generate(target, PROMPTS, max_new_tokens=9).tokens
