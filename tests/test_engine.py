@@ -506,3 +506,10 @@ def test_speculative_cache_is_ar_cache_plus_its_slack():
     prompt = [[1 + i % 50 for i in range(190)]]
     *_, capacity = engine.loop_setup(target, drafter, prompt, "greedy_chain", 64, GREEDY, None, None, "none")
     assert capacity == cache_capacity([190], 64) + SLACK_ALIGN == CAPACITY_BUCKET + SLACK_ALIGN
+    # a smaller bucket (the exact distribution check's: 11-token prompts padded to 32, 9 new tokens) and a bad one
+    *_, capacity = engine.loop_setup(target, drafter, [[1] * 11], "greedy_chain", 9, GREEDY, None, None, "none",
+                                     capacity_bucket=32)
+    assert capacity == 32 + SLACK_ALIGN
+    with pytest.raises(ValueError, match="capacity_bucket must be >= 1, got 0"):
+        engine.loop_setup(target, drafter, [[1] * 11], "greedy_chain", 9, GREEDY, None, None, "none",
+                          capacity_bucket=0)
