@@ -68,6 +68,9 @@ P_VALUE_MIN = 1e-3
 STATISTICS = {"first token": (1,), "first two tokens": (1, 2), "joint": None}
 ALPHA = 1e-3  # the false-alarm rate of `assert_lossless` per seed: Bonferroni, ALPHA / 3 for each chi-square
 MIN_EXPECTED = 5.0  # cells expected fewer times are pooled (the chi-square approximation needs ~5 per cell)
+# Rows for a negative control whose mutant is grossly biased: at this size its smallest chi-square p-value is still
+# far below `assert_biased`'s 1e-6 (each test states its own); a subtle mutant runs NUM_SAMPLES.
+MUTANT_ROWS = 2000
 
 
 def distribution_target():
