@@ -30,8 +30,8 @@ import numpy as np
 from specdec import trees
 from specdec.costs import PROFILE_ROUNDS, ForcedWidths, forced, profile_rounds
 from specdec.drafter import CATCH_UP, Draft, Drafter, PromptInfo, RoundContext, VerifyResult
-from specdec.generate import (NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts, prefill_distinct,
-                              row_limits)
+from specdec.generate import (CAPACITY_BUCKET, NO_EOS, cache_capacity, check_fits, context_limit, pad_prompts,
+                              prefill_distinct, row_limits)
 from specdec.metrics import DecodeMetrics
 from specdec.models import transformer
 from specdec.models.transformer import KVCache
@@ -460,11 +460,11 @@ class SpecOutput:
 
 
 def loop_setup(target: Target, drafter: Drafter, prompts, policy, max_new_tokens, sampling: SamplingParams,
-               max_seq_len, scheduler, verify_buckets):
+               max_seq_len, scheduler, verify_buckets, capacity_bucket: int = CAPACITY_BUCKET):
     """What a speculative decoding call starts from: (the LoopSpec, the padded prompts [B, T], their lengths [B],
-    each row's limit of new tokens [B], the cache capacity). The policy and the scheduler (default `FixedWidth`) are
-    checked against the drafter; a scheduler that measures its round costs in the loop is wrapped in `ForcedWidths`,
-    so they are timed in the very program that runs."""
+    each row's limit of new tokens [B], the cache capacity, rounded up to `capacity_bucket`). The policy and the
+    scheduler (default `FixedWidth`) are checked against the drafter; a scheduler that measures its round costs in
+    the loop is wrapped in `ForcedWidths`, so they are timed in the very program that runs."""
     pol = get_policy(policy) if isinstance(policy, str) else policy
     if drafter.kind == "tree" and not pol.supports_trees:
         raise ValueError(f"policy {pol.name!r} verifies chains only, but drafter {drafter.name!r} proposes trees; "
@@ -474,6 +474,8 @@ def loop_setup(target: Target, drafter: Drafter, prompts, policy, max_new_tokens
         if drafter.kind != "chain" or not drafter.has_confidence:
             raise ValueError(f"scheduler {scheduler.kind!r} needs a chain drafter with draft confidences "
                              f"(dflash, dspark); drafter {drafter.name!r} has none")
+    if capacity_bucket < 1:
+        raise ValueError(f"capacity_bucket must be >= 1, got {capacity_bucket}")
     prompts = [list(p) for p in prompts]
     max_new, limits = row_limits(max_new_tokens, len(prompts))
     n = drafter.num_draft_tokens
@@ -485,14 +487,14 @@ def loop_setup(target: Target, drafter: Drafter, prompts, policy, max_new_tokens
                     verify_widths=scheduler.verify_widths(n, verify_buckets))
     pad = target.cfg.pad_token_id if target.cfg.pad_token_id is not None else 0
     tokens, lengths = pad_prompts(prompts, pad)
-    return spec, tokens, lengths, limits, cache_capacity(lengths, max_new, extra=n + 1)
+    return spec, tokens, lengths, limits, cache_capacity(lengths, max_new, extra=n + 1, bucket=capacity_bucket)
 
 
 def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
                          policy: str | Policy = "greedy_chain", max_new_tokens: int | Sequence[int] = 64,
                          sampling: SamplingParams = GREEDY, seed: int = 0, compiled: bool | None = None,
                          max_seq_len: int | None = None, warmup: bool = False, scheduler=None,
-                         verify_buckets=None, on_round=None) -> SpecOutput:
+                         verify_buckets=None, on_round=None, capacity_bucket: int = CAPACITY_BUCKET) -> SpecOutput:
     """Speculative decoding of a batch of token-id prompts with any drafter and verification policy: a policy
     name (with its default options) or a `specdec.verify.Policy` (`get_policy("typical", epsilon=0.05)`), up to
     `max_new_tokens` new tokens per prompt (one limit, or one per prompt).
@@ -510,6 +512,11 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
 
     `warmup=True` first runs the same compiled programs for one round (untimed), so the reported times
     exclude compilation.
+
+    `capacity_bucket`: the KV cache's slots are rounded up to a multiple of this (`specdec.generate.cache_capacity`;
+    the default CAPACITY_BUCKET lets prompts of many lengths share one compiled loop). Attention reads every slot,
+    so a caller decoding one short shape many times may pass a smaller one: the exact distribution check
+    (`specdec.testing.sampled_joint`, 8000 rows of 20 tokens) runs 48 slots instead of 272.
     """
     compiled = drafter.jittable if compiled is None else compiled
     if compiled and on_round is not None:
@@ -518,7 +525,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
         raise ValueError(f"drafter {drafter.name!r} keeps Python state and cannot run in the compiled loop")
     forcing = scheduler is not None and scheduler.measured_in_loop  # its round costs are timed in this loop
     spec, tokens, lengths, limits, capacity = loop_setup(target, drafter, prompts, policy, max_new_tokens, sampling,
-                                                         max_seq_len, scheduler, verify_buckets)
+                                                         max_seq_len, scheduler, verify_buckets, capacity_bucket)
     scheduler, widths, n = spec.scheduler, spec.verify_widths, drafter.num_draft_tokens
 
     probe = LoopProbe(spec, target, tokens, lengths, capacity, compiled)

@@ -33,7 +33,7 @@ from scipy import stats
 from specdec import engine
 from specdec.engine import speculative_generate
 from specdec.drafter import PromptInfo
-from specdec.generate import cache_capacity, pad_prompts, prefill
+from specdec.generate import PROMPT_BUCKET, cache_capacity, pad_prompts, prefill
 from specdec.models.config import tiny_config
 from specdec.sampling import SamplingParams, probabilities
 from specdec.target import Target, random_target
@@ -68,6 +68,9 @@ P_VALUE_MIN = 1e-3
 STATISTICS = {"first token": (1,), "first two tokens": (1, 2), "joint": None}
 ALPHA = 1e-3  # the false-alarm rate of `assert_lossless` per seed: Bonferroni, ALPHA / 3 for each chi-square
 MIN_EXPECTED = 5.0  # cells expected fewer times are pooled (the chi-square approximation needs ~5 per cell)
+# Rows for a negative control whose mutant is grossly biased: at this size its smallest chi-square p-value is still
+# far below `assert_biased`'s 1e-6 (each test states its own); a subtle mutant runs NUM_SAMPLES.
+MUTANT_ROWS = 2000
 
 
 def distribution_target():
@@ -104,9 +107,10 @@ def exact_joint(length: int = LENGTH) -> tuple[np.ndarray, np.ndarray]:
 
 def sampled_joint(target, drafter, policy, num_samples=NUM_SAMPLES, **options):
     """(counts over exact_joint()'s sequences, samples outside its support, metrics) of NUM_SAMPLES rows
-    decoded in one call (`options`: e.g. a scheduler)."""
+    decoded in one call (`options`: e.g. a scheduler). The cache holds the padded prompt and the new tokens, not a
+    whole CAPACITY_BUCKET: 48 slots instead of 272, which every round's attention reads for each of the rows."""
     out = speculative_generate(target, drafter, [PROMPT] * num_samples, policy=policy, max_new_tokens=LENGTH,
-                               sampling=SAMPLING, seed=123, **options)
+                               sampling=SAMPLING, seed=123, capacity_bucket=PROMPT_BUCKET, **options)
     seqs, _ = exact_joint()
     index = {tuple(q): i for i, q in enumerate(seqs.tolist())}
     found = np.array([index.get(tuple(t), -1) for t in out.tokens])
@@ -261,7 +265,7 @@ def draft_fit(target, drafter, sampling=DRAFT_SAMPLING, rows=DRAFT_ROWS, prompt=
     spec = engine.LoopSpec(cfg=target.cfg, forward=target.forward, drafter=drafter, policy=None, sampling=sampling,
                            eos_ids=())
     tokens, lengths = pad_prompts([prompt] * rows, 0)
-    capacity = cache_capacity(lengths, 8, extra=drafter.num_draft_tokens + 1)
+    capacity = cache_capacity(lengths, 8, extra=drafter.num_draft_tokens + 1, bucket=PROMPT_BUCKET)
     state = engine.start(spec, target, drafter, target.init_cache(rows, capacity), tokens, lengths, capacity, 8, 0)
     draft, _ = engine._jit_propose(spec, drafter.params, state)
     x, q = np.asarray(draft.tokens), np.asarray(draft.probs, np.float64)

@@ -418,7 +418,8 @@ def test_dynamic_sampled_tree_is_lossless_and_ranking_by_the_draw_is_not():
     tree_accept 0.8), so the shape adapts to q row by row yet no node's existence depends on its own draw.
     Through the engine the joint law of 9 tokens at T=0.7 with top-k / top-p equals the exact one; the mutant
     that ranks each child by the q of what it drew (already at depth 1, which keeps 2 of 3 candidates) is
-    biased and the check sees it; a top-k = 2 cut leaves no valid rank-2 child."""
+    biased and the check sees it (at NUM_SAMPLES rows: a subtle bias, whose smallest p-value at 2000 rows is 4e-4);
+    a top-k = 2 cut leaves no valid rank-2 child."""
     from specdec.testing import assert_biased, assert_lossless, sampled_joint
 
     small, make = sampled_tree_drafters()
@@ -468,8 +469,9 @@ def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings(monkeypatc
     node's children drawn without replacement. Through the engine the joint law of 9 tokens at T=0.7 with top-k
     and top-p equals the exact one (`assert_lossless`), from a reduced draft vocabulary (5 of 8 ids) whose top-k
     cut leaves some rank-2 siblings nothing to draw (invalid). The negative control: the same tree whose
-    siblings carry plain q instead of q without the earlier draws is biased, and the check sees it."""
-    from specdec.testing import assert_biased, assert_lossless, sampled_joint
+    siblings carry plain q instead of q without the earlier draws is biased, and the check sees it (at MUTANT_ROWS
+    = 2000 rows: first-two-tokens p 3e-22)."""
+    from specdec.testing import MUTANT_ROWS, assert_biased, assert_lossless, sampled_joint
 
     small, make = sampled_tree_drafters()
     tree = make(dspark.DSparkDrafter, tree_accept=0.5)
@@ -488,7 +490,7 @@ def test_sampled_tree_is_lossless_and_its_q_excludes_earlier_siblings(monkeypatc
     monkeypatch.setattr(trees, "without_earlier_draws", lambda q, earlier: q)
     jax.clear_caches()  # the compiled loop would otherwise reuse the correct code
     try:
-        biased = sampled_joint(small, make(dspark.DSparkDrafter, tree_accept=0.5), "multidraft_tree")
+        biased = sampled_joint(small, make(dspark.DSparkDrafter, tree_accept=0.5), "multidraft_tree", MUTANT_ROWS)
     finally:
         jax.clear_caches()
     assert_biased(*biased[:2])

@@ -18,8 +18,8 @@ from specdec.models.config import tiny_config
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.scheduler import bucket_widths
 from specdec.target import random_target
-from specdec.testing import (PROMPTS, assert_biased, assert_draft_matches_its_q, assert_lossless, distribution_target,
-                             draft_fit, peaky_target, sampled_joint)
+from specdec.testing import (MUTANT_ROWS, NUM_SAMPLES, PROMPTS, assert_biased, assert_draft_matches_its_q,
+                             assert_lossless, distribution_target, draft_fit, peaky_target, sampled_joint)
 from specdec.verify import get_policy
 
 
@@ -390,21 +390,23 @@ def q_without_top_p(logits, sampling):
     return jax.nn.softmax(processed_logits(logits, dataclasses.replace(sampling, top_p=1.0)), axis=-1)
 
 
-@pytest.mark.parametrize("module,name,broken", [
-    ("specdec.verify.chain", "residual", lambda p, q: p),
-    ("drafters.draft_lm", "probabilities", q_without_top_p),
+@pytest.mark.parametrize("module,name,broken,rows", [
+    ("specdec.verify.chain", "residual", lambda p, q: p, MUTANT_ROWS),
+    ("drafters.draft_lm", "probabilities", q_without_top_p, NUM_SAMPLES),
 ], ids=["correction-from-p", "draft-q-without-top-p"])
-def test_biased_engines_fail_the_distribution_test(monkeypatch, module, name, broken):
+def test_biased_engines_fail_the_distribution_test(monkeypatch, module, name, broken, rows):
     """Negative controls, through the same check: drawing the correction token from p instead of the residual
-    (a gross bias), and a drafter whose q forgets top-p (a subtle one: the observed TV rises only from ~0.12,
-    the noise of 6000 samples over ~1700 outcomes, to ~0.14, yet the chi-square p-value falls to ~1e-9)."""
+    (a gross bias: at MUTANT_ROWS = 2000 rows whole-sequence p 8e-74), and a drafter whose q forgets top-p (a
+    subtle one, at NUM_SAMPLES rows: the observed TV rises only from ~0.12, the noise of 6000 samples over ~1700
+    outcomes, to ~0.14, yet the chi-square p-value falls to ~1e-9)."""
     import importlib
 
     monkeypatch.setattr(importlib.import_module(module), name, broken)
     jax.clear_caches()  # the compiled loop would otherwise reuse the correct code
     try:
         target = distribution_target()
-        counts, impossible, _ = sampled_joint(target, distribution_drafter("self_spec", target), "rejection_chain")
+        counts, impossible, _ = sampled_joint(target, distribution_drafter("self_spec", target), "rejection_chain",
+                                              rows)
     finally:
         jax.clear_caches()
     assert_biased(counts, impossible)
@@ -506,6 +508,13 @@ def test_speculative_cache_is_ar_cache_plus_its_slack():
     prompt = [[1 + i % 50 for i in range(190)]]
     *_, capacity = engine.loop_setup(target, drafter, prompt, "greedy_chain", 64, GREEDY, None, None, "none")
     assert capacity == cache_capacity([190], 64) + SLACK_ALIGN == CAPACITY_BUCKET + SLACK_ALIGN
+    # a smaller bucket (the exact distribution check's: 11-token prompts padded to 32, 9 new tokens) and a bad one
+    *_, capacity = engine.loop_setup(target, drafter, [[1] * 11], "greedy_chain", 9, GREEDY, None, None, "none",
+                                     capacity_bucket=32)
+    assert capacity == 32 + SLACK_ALIGN
+    with pytest.raises(ValueError, match="capacity_bucket must be >= 1, got 0"):
+        engine.loop_setup(target, drafter, [[1] * 11], "greedy_chain", 9, GREEDY, None, None, "none",
+                          capacity_bucket=0)
 
 
 def test_starting_a_loop_allocates_no_second_cache(monkeypatch):

@@ -22,7 +22,8 @@ from specdec.generate import generate
 from specdec.sampling import SamplingParams
 from specdec.scheduler import FixedWidth
 from specdec.scheduling import PrefixSchedule, ThresholdSchedule, admitted_lengths, prefix_theta, sps
-from specdec.testing import NUM_SAMPLES, PROMPT, assert_biased, assert_lossless, distribution_target, sampled_joint
+from specdec.testing import (MUTANT_ROWS, NUM_SAMPLES, PROMPT, assert_biased, assert_lossless, distribution_target,
+                             sampled_joint)
 from specdec.verify import get_policy
 
 LINEAR = ((1, 1.0), (64, 1.0 / 1.63))  # step time 1 + 0.01 (n - 1): SPS falls slowly with the token batch
@@ -193,11 +194,12 @@ class ConfidenceReadsItsToken(DraftLMDrafter):
 def test_confidence_that_reads_its_token_fails_the_distribution_test():
     """Negative control for the contract of `Drafter.draft_confidence`: under the threshold scheduler such a
     confidence verifies x_j only when x_j is q's mode (else the target samples position j itself), and the
-    output law is visibly not the target's."""
+    output law is visibly not the target's (at MUTANT_ROWS = 2000 rows: whole-sequence p 7e-155)."""
     target = distribution_target()
     cfg = target.cfg.replace(num_layers=1)  # self-speculation from the target's first layer
     bad = ConfidenceReadsItsToken(cfg, _prefix_layers(target.params, 1), 2, name="reads_its_token")
-    counts, impossible, m = sampled_joint(target, bad, "rejection_chain", scheduler=SCHEDULERS["threshold"])
+    counts, impossible, m = sampled_joint(target, bad, "rejection_chain", MUTANT_ROWS,
+                                          scheduler=SCHEDULERS["threshold"])
     assert 0 < m.proposed_draft_tokens < 2 * m.rounds  # it did cut drafts by the token
     assert_biased(counts, impossible)
 
