@@ -30,6 +30,7 @@ from pathlib import Path
 from benchmarks import bench_speculative
 from benchmarks.common import DEFAULT_OUT, REPO, Report, load_method_configs, load_text, split_args
 from benchmarks.results_table import CONFIGS, check_map_count, method_paths
+from experiments.sweep import release_memory
 
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 PROMPTS = CONFIGS / "scaling.yaml"
@@ -165,8 +166,6 @@ def main(argv=None) -> dict:
         all_cells += cells(result, batch, labels)
         out.mkdir(parents=True, exist_ok=True)  # each batch's cells as it ends: a run killed later keeps them
         (out / "cells_so_far.json").write_text(json.dumps(all_cells, indent=1, default=str))
-        from experiments.sweep import release_memory
-
         # No program of this batch size runs again, and glibc keeps the freed buffers resident: one adaptive call at
         # batch 16 (389 MB caches) left the process at 3.9 GB RSS, 1.4 GB after the trim; the run that reached
         # batch 64 was killed at 21 GB.

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from benchmarks import bench_speculative
 from benchmarks.common import REPO, DEFAULT_OUT, Report, load_method_configs, load_text, split_args
+from experiments.sweep import release_memory
 
 # The README's table: row label -> the method's experiment config, and the batch sizes of its rows.
 METHODS = {"n-gram": "ngram.yaml", "suffix": "suffix.yaml", "DSpark (shipped, 7-node tree)": "dspark_shipped.yaml",
@@ -149,8 +150,6 @@ def main(argv=None) -> dict:
         result = bench_speculative.compare(method_configs, table["repeats"], target=target, drafters=drafters)
         results[f"batch_{batch}"] = result
         all_cells += cells(result["rows"], labels)
-        from experiments.sweep import release_memory
-
         release_memory()  # this batch size's programs and freed buffers (benchmarks/batch_scaling.py)
     report.finish()
     header, rows = table_rows(all_cells, report.meta)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Sequence
 
 from specdec import sharding
@@ -129,11 +128,10 @@ def build_drafter(cfg: ExperimentConfig, target: Target):
         from specdec.train.checkpoint import drafter_kind
 
         cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, name=drafter_kind(cfg.drafter.path)))
-    factory = drafters._FACTORIES.get(cfg.drafter.name)
-    if factory is None:
+    if cfg.drafter.name not in drafters._FACTORIES:
         raise ValueError(f"drafter.name: unknown drafter {cfg.drafter.name!r}; available: "
                          f"{', '.join(drafters.available())}")
-    accepted = [p for p in inspect.signature(factory).parameters if p not in ("target", "num_draft_tokens")]
+    accepted = drafters.parameters(cfg.drafter.name)
     params = drafter_params(cfg, accepted)
     if cfg.drafter.path is not None:
         if "path" not in accepted and "checkpoint" not in accepted:
