@@ -64,6 +64,33 @@ def crossover(curve: dict[int, float]) -> int | None:
     return out
 
 
+def time_factors(row: dict, ar: dict, batch: int) -> dict | None:
+    """Where a speculative cell's time went against AR's, as three factors whose product is its speedup (AR's
+    decode time / the method's, the same tokens):
+
+        speedup = (AR steps / loop iterations) x (iterations / plain-round units) x (AR step / plain round)
+
+    - fewer iterations: what acceptance saved (AR's steps: its row-steps / batch, every call holding `batch` rows);
+    - drafted rounds: each iteration in units of a plain round, from the adaptive width's own profiled costs
+      (a round verified at width W counts C(W) / C(0); a round whose draft `refine` cut to width 0 counts
+      1 + draft / C(0); a skipped draft 1), so this factor is what the drafted rounds cost above plain ones;
+    - plain round: AR's step over the plain round the run implies (its decode time / its plain-round units): the
+      loop's own overhead (the drafter's catch-up, the plan, the bookkeeping) where it skips the draft.
+    None for AR and for a method without the adaptive width's counts."""
+    widths, costs = row.get("width_rounds"), row.get("round_costs")
+    if not widths or not costs or not ar.get("row_steps") or not row.get("decode_s"):
+        return None
+    iterations = sum(widths)
+    cut = widths[0] - row["skipped_drafts"]  # drafted, then verified at width 0
+    units = (row["skipped_drafts"] + cut * (1 + (row.get("draft_cost") or 0.0) / costs[0])
+             + sum(n * c / costs[0] for n, c in zip(widths[1:], costs[1:])))
+    ar_steps = ar["row_steps"] / batch
+    plain = row["decode_s"] / units
+    return {"ar_steps": ar_steps, "iterations": iterations, "cut_drafts": cut,
+            "verified_rounds": iterations - widths[0], "fewer_iterations": ar_steps / iterations,
+            "drafted_rounds": iterations / units, "plain_round": (ar["decode_s"] / ar_steps) / plain}
+
+
 def cells(result: dict, batch: int, labels: dict[str, str]) -> list[dict]:
     """One cell per method (AR included) at this batch, from bench_speculative's rows."""
     rows = result["rows"]
@@ -75,8 +102,26 @@ def cells(result: dict, batch: int, labels: dict[str, str]) -> list[dict]:
                     "tok_s": r["tok_s"], "ar_tok_s": ar["tok_s"], "speedup": r["speedup"], "tau": r["tau"],
                     "skipped": r["skipped_drafts"] / iterations if iterations else None,
                     "idle_fraction": r["idle_fraction"], "ar_idle_fraction": ar["idle_fraction"],
-                    "same_as_ar": r["same_as_ar"], "description": r["description"]})
+                    "same_as_ar": r["same_as_ar"], "description": r["description"],
+                    "time_factors": None if r is ar else time_factors(r, ar, batch)})
     return out
+
+
+def factors_table(all_cells: list[dict]) -> tuple[list[str], list[list]]:
+    """`time_factors` per speculative cell (one pass: with --repeats the sums of the passes)."""
+    header = ["method", "batch", "AR steps", "iterations", "verified / cut / skipped", "x fewer iterations",
+              "x drafted rounds", "x plain round", "= speedup"]
+    rows = []
+    for c in all_cells:
+        f = c.get("time_factors")
+        if not f:
+            continue
+        skipped = f["iterations"] - f["verified_rounds"] - f["cut_drafts"]
+        rows.append([c["method"], c["batch"], f"{f['ar_steps']:.0f}", f["iterations"],
+                     f"{f['verified_rounds']} / {f['cut_drafts']} / {skipped}", f"{f['fewer_iterations']:.3f}",
+                     f"{f['drafted_rounds']:.3f}", f"{f['plain_round']:.3f}",
+                     f"{f['fewer_iterations'] * f['drafted_rounds'] * f['plain_round']:.2f}x"])
+    return header, rows
 
 
 def _pct(x) -> str:
@@ -181,6 +226,13 @@ def main(argv=None) -> dict:
     report.table("Speedup by batch size, the floor and the crossover", header, rows,
                  note=f"crossover batch: the smallest batch from which on the method runs below AR; floor: "
                       f"{FLOOR}x AR at every batch")
+    header, rows = factors_table(all_cells)
+    if rows:
+        report.table("Where the time went", header, rows,
+                     note="speedup = (AR steps / iterations) x (iterations / plain-round units) x (AR step / plain "
+                          "round): what acceptance saved, what the drafted rounds cost above plain ones (from the "
+                          "adaptive width's profiled round costs; a cut draft is one `refine` verified at width 0), "
+                          "and the plain round the run implies against AR's step (`time_factors`)")
     report.table("Methods", ["method", "config", "drafter / policy / scheduler"],
                  [[label, Path(path).relative_to(REPO) if Path(path).is_relative_to(REPO) else path,
                    next((c["description"] for c in all_cells if c["method"] == label), "-")]

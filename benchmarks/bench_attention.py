@@ -1,7 +1,8 @@
-"""Attention formulations at small T, timed in one run: the query-rows dots (a [G*T, HD] x [HD, S] product per
-row and KV head, what `transformer.attend` runs for T >= 2), the slot-rows dots (K [S, HD] x q [HD, G], what it
-runs for T = 1) and a broadcast multiply-and-reduce (XLA loop fusions), 30 layers chained, rows at half the
-capacity, SmolLM2's head shapes (9 query heads, 3 KV heads, HD 64). Prints the best of 3 x 5 calls per shape and
+"""Attention formulations at small T, timed in one run: the slot-rows dots (K [S, HD] x Q [HD, G*T] per row and
+KV head, what `transformer.attend` runs), the query-rows dots (Q [G*T, HD] x K^T [HD, S], the form it ran for
+T >= 2 until it measured 2.4x slower at batch 64 with 528 cache slots) and a broadcast multiply-and-reduce (XLA
+loop fusions), 30 layers chained, rows at half the capacity, SmolLM2's head shapes (9 query heads, 3 KV heads,
+HD 64). Prints the best of 3 x 5 calls per shape and
 the largest output difference from the query-rows form. Measure on a quiet machine (docs/BENCHMARKS.md).
 
     python -m benchmarks.bench_attention
@@ -37,10 +38,26 @@ def attend_multiply_sum(q, k_cache, v_cache, mask):
     return out.reshape(b, t, nh * hd).astype(q.dtype)
 
 
+def attend_query_rows(q, k_cache, v_cache, mask):
+    """The same attention with the G*T query rows as the products' rows: [G*T, HD] x [HD, S] against each key slab."""
+    b, t, nh, hd = q.shape
+    kvh, s = k_cache.shape[1], k_cache.shape[2]
+    g = nh // kvh
+    qm = T._query_rows(q, kvh)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qm, k_cache, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, kvh, g, t, s) * (1.0 / math.sqrt(hd))
+    scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(b, kvh, g * t, s)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v_cache, preferred_element_type=jnp.float32)
+    return T._from_query_rows(out, q)
+
+
 LAYERS = 30
 
 
-SHAPES = [(64, 384, 1), (8, 512, 1), (8, 512, 4), (1, 512, 1), (1, 512, 4)]  # (batch, cache slots, tokens per row)
+# (batch, cache slots, tokens per row); 528 = the speculative loop's cache for 288-token prompts (512 + its slack)
+SHAPES = [(64, 384, 1), (8, 512, 1), (8, 512, 4), (1, 512, 1), (1, 512, 4), (64, 528, 2), (64, 528, 4),
+          (32, 528, 2), (8, 528, 2)]
 
 
 def main(argv=None) -> list[dict]:
@@ -66,9 +83,8 @@ def main(argv=None) -> list[dict]:
                     acc = acc + 1e-3 * o.reshape(acc.shape)
                 return acc
             return jax.jit(f)
-        fns = {"query-rows": run(T._attend_query_rows), "multiply-sum": run(attend_multiply_sum)}
-        if t == 1:
-            fns["slot-rows"] = run(T._attend_one)
+        fns = {"query-rows": run(attend_query_rows), "multiply-sum": run(attend_multiply_sum),
+               "slot-rows": run(T._attend_one if t == 1 else T._attend_slot_rows)}
         outs = {n: f(q, ks, vs, mask) for n, f in fns.items()}
         err = max(float(jnp.max(jnp.abs(outs["query-rows"] - o))) for o in outs.values())
         res = {}

@@ -147,7 +147,8 @@ def _figures(m: DecodeMetrics, ar: DecodeMetrics) -> dict:
             "idle_fraction": m.idle_fraction, "skipped_drafts": m.skipped_drafts,
             "acceptance_survival": m.acceptance_by_position()["survival"],
             "predicted_tok_s": m.predicted_tokens_per_second if m.predicted_seconds else None,
-            "verify_widths": m.verify_widths or None, "width_rounds": m.width_rounds or None}
+            "verify_widths": m.verify_widths or None, "width_rounds": m.width_rounds or None,
+            "round_costs": m.round_costs or None, "draft_cost": m.draft_cost, "row_steps": m.row_steps}
 
 
 def same_text(row: dict) -> str:

@@ -209,6 +209,27 @@ def test_batch_scaling_mixes_the_sources_and_reports_speedup_idle_and_crossover(
         batch_scaling.main([ngram, "--prompts", prompts, "--lengths", "10", "--out", str(out)])
 
 
+def test_batch_scaling_time_factors_multiply_to_the_speedup():
+    """The three factors of a cell's time (fewer iterations, drafted rounds, plain round) multiply to AR's decode
+    time over the method's, and each reads what it names: a cut draft costs the draft above a plain round, a round
+    verified at width W costs C(W) / C(0) plain rounds, and the plain round is AR's step over the time per unit."""
+    from benchmarks.batch_scaling import time_factors
+
+    ar = {"row_steps": 8 * 100, "decode_s": 10.0}  # 100 steps of 0.1 s at batch 8
+    # 90 iterations: 80 skipped, 4 cut (draft 0.02 s), 4 at width 1 (0.2 s), 2 at width 3 (0.3 s); C(0) = 0.1
+    row = {"width_rounds": [84, 4, 2], "skipped_drafts": 80, "round_costs": [0.1, 0.2, 0.3], "draft_cost": 0.02}
+    units = 80 + 4 * 1.2 + 4 * 2 + 2 * 3
+    row["decode_s"] = units * 0.105  # plain rounds 5% above AR's step
+    f = time_factors(row, ar, batch=8)
+    assert (f["iterations"], f["cut_drafts"], f["verified_rounds"], f["ar_steps"]) == (90, 4, 6, 100)
+    assert f["fewer_iterations"] == pytest.approx(100 / 90) and f["drafted_rounds"] == pytest.approx(90 / units)
+    assert f["plain_round"] == pytest.approx(0.1 / 0.105)
+    product = f["fewer_iterations"] * f["drafted_rounds"] * f["plain_round"]
+    assert product == pytest.approx(ar["decode_s"] / row["decode_s"])
+    assert time_factors({"width_rounds": None}, ar, 8) is None  # a fixed width: nothing to split
+    assert time_factors({**row, "round_costs": None}, ar, 8) is None
+
+
 def test_bench_speculative_counts_ar_equality_at_temperature_for_the_invariant_policies(tiny_configs, tmp_path):
     """At T > 0 the invariant policies commit AR's own sampled tokens, so "= AR" is counted (every prompt equal,
     no first divergence); rejection sampling gives a sample of AR's law, not AR's sample: not counted."""

@@ -327,27 +327,36 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array
 
     q: [B, T, NH, HD]; caches: [B, KVH, S, HD]; mask: [B, T, S]. Returns [B, T, NH*HD].
 
-    For T >= 2 the G query heads sharing a KV head and the T new tokens are merged into one axis of G*T query
-    rows, so each (row, KV head) is one [G*T, HD] x [HD, S] matmul against its contiguous [S, HD] key slab and
-    one [G*T, S] x [S, HD] matmul against the value slab; only the small query / output blocks are transposed.
-    For T = 1 (plain decode) the cache slots are the products' rows instead (`_attend_one`). Scores, softmax
-    and the value accumulation are float32.
+    The cache slots are the rows of each product: per (row, KV head), scores [S, G*T] = K [S, HD] x Q [HD, G*T]
+    (the G query heads sharing the KV head and the T new tokens merged into G*T columns), then out [G*T, HD] =
+    P^T [G*T, S] x V [S, HD]; only the small query / output blocks are transposed, never the [S, HD] slabs.
+    The other form, query rows ([G*T, HD] x [HD, S]), cost the same at batch <= 32 but at batch 64 on XLA:CPU
+    ran a 2-token step 2.4x slower (1053 against 432 ms on SmolLM2 with 528 cache slots; 1.6-2.1x at 3 to 8
+    tokens), so a verify round cost 3.3 plain decode steps where its tokens' work is 1.5 (docs/BENCHMARKS.md).
+    T = 1 (plain decode) keeps its own function (`_attend_one`). Scores, softmax and the value accumulation are
+    float32.
     """
     if q.shape[1] == 1:
         return _attend_one(q, k_cache, v_cache, mask)
-    return _attend_query_rows(q, k_cache, v_cache, mask)
+    return _attend_slot_rows(q, k_cache, v_cache, mask)
 
 
-def _attend_query_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array) -> jax.Array:
+def _columns_mask(mask: jax.Array, groups: int) -> jax.Array:
+    """A [B, T, K] mask (new token t may see key k) as [B, 1, K, G*T], the layout of slot-row scores: column
+    g*T + t is query head g of new token t (`_query_rows`)."""
+    b, t, k = mask.shape
+    return jnp.broadcast_to(jnp.swapaxes(mask, 1, 2)[:, None, :, None, :], (b, 1, k, groups, t)).reshape(
+        b, 1, k, groups * t)
+
+
+def _attend_slot_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array) -> jax.Array:
     b, t, nh, hd = q.shape
-    kvh, s = k_cache.shape[1], k_cache.shape[2]
-    g = nh // kvh
-    qm = _query_rows(q, kvh)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qm, k_cache, preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, kvh, g, t, s) * (1.0 / math.sqrt(hd))
-    scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(b, kvh, g * t, s)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, v_cache, preferred_element_type=jnp.float32)
+    kvh = k_cache.shape[1]
+    qm = _query_rows(q, kvh)  # [B, KVH, G*T, HD]
+    scores = jnp.einsum("bksd,bkqd->bksq", k_cache, qm, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hd))
+    scores = jnp.where(_columns_mask(mask, nh // kvh), scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=2).astype(v_cache.dtype)
+    out = jnp.einsum("bksq,bksd->bkqd", probs, v_cache, preferred_element_type=jnp.float32)
     return _from_query_rows(out, q)
 
 
@@ -356,7 +365,7 @@ def _attend_one(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     scores [S, G] = K [S, HD] x q [HD, G], then out [G, HD] = p^T [G, S] x V [S, HD]. The same sums as `attend`'s
     [G, HD] x [HD, S] products. XLA:CPU ran 30 chained layers of it 1.5x faster at batch 64 and 1.2x at batch 8,
     and 0.9x at batch 1, ~0.3 ms of a ~30 ms step (benchmarks/bench_attention.py, docs/BENCHMARKS.md).
-    With 2 or more new tokens the query-rows form measured as fast or faster."""
+    `_attend_slot_rows` is the same form for T new tokens."""
     b, _, nh, hd = q.shape
     kvh = k_cache.shape[1]
     qm = q.reshape(b, kvh, nh // kvh, hd)  # query head kvh*G + g is the g-th head of KV head kvh
@@ -396,19 +405,19 @@ def attend_with_new(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new:
     g = nh // kvh
     if t == 1:
         return _attend_one_with_new(q, k_cache, v_cache, k_new, v_new, lengths)
-    qm = _query_rows(q, kvh)
+    qm = _query_rows(q, kvh)  # [B, KVH, G*T, HD]; slot-row products as in `attend`
     kn = jnp.swapaxes(k_new, 1, 2).astype(k_cache.dtype)  # [B, KVH, T, HD]
     vn = jnp.swapaxes(v_new, 1, 2).astype(v_cache.dtype)
-    old = jnp.einsum("bkqd,bksd->bkqs", qm, k_cache, preferred_element_type=jnp.float32).reshape(b, kvh, g, t, s)
-    new = jnp.einsum("bkqd,bkud->bkqu", qm, kn, preferred_element_type=jnp.float32).reshape(b, kvh, g, t, t)
-    committed = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
-    old = jnp.where(committed[:, None, None, None, :], old, -1e30)
-    new = jnp.where(tree_mask[:, None, None, :, :], new, -1e30)
-    probs = jax.nn.softmax(jnp.concatenate([old, new], axis=-1) * (1.0 / math.sqrt(hd)), axis=-1)
-    p_old = probs[..., :s].astype(v_cache.dtype).reshape(b, kvh, g * t, s)
-    p_new = probs[..., s:].astype(v_cache.dtype).reshape(b, kvh, g * t, t)
-    out = (jnp.einsum("bkqs,bksd->bkqd", p_old, v_cache, preferred_element_type=jnp.float32)
-           + jnp.einsum("bkqu,bkud->bkqd", p_new, vn, preferred_element_type=jnp.float32))
+    old = jnp.einsum("bksd,bkqd->bksq", k_cache, qm, preferred_element_type=jnp.float32)  # [B, KVH, S, G*T]
+    new = jnp.einsum("bkud,bkqd->bkuq", kn, qm, preferred_element_type=jnp.float32)  # [B, KVH, T, G*T]
+    committed = jnp.arange(s)[None, None, :, None] < lengths[:, None, None, None]
+    old = jnp.where(committed, old, -1e30)
+    new = jnp.where(_columns_mask(tree_mask, g), new, -1e30)
+    probs = jax.nn.softmax(jnp.concatenate([old, new], axis=2) * (1.0 / math.sqrt(hd)), axis=2)
+    out = (jnp.einsum("bksq,bksd->bkqd", probs[:, :, :s].astype(v_cache.dtype), v_cache,
+                      preferred_element_type=jnp.float32)
+           + jnp.einsum("bkuq,bkud->bkqd", probs[:, :, s:].astype(v_cache.dtype), vn,
+                        preferred_element_type=jnp.float32))
     return _from_query_rows(out, q)
 
 
