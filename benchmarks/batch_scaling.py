@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 
 from benchmarks import bench_speculative
-from benchmarks.common import DEFAULT_OUT, REPO, Report, load_method_configs, load_text, split_args
+from benchmarks.common import DEFAULT_OUT, REPO, Report, load_method_configs, load_text, prompt_overrides, split_args
 from benchmarks.results_table import CONFIGS, check_map_count, method_paths
 from experiments.sweep import release_memory
 
@@ -38,19 +38,6 @@ PROMPTS = CONFIGS / "scaling.yaml"
 LENGTHS = (16, 24, 32, 48, 64)
 FLOOR = 0.97  # never slower: the lowest speedup over AR a method may show at any batch
 SMOKE = {"batches": (1, 2, 4), "lengths": (4, 8), "max_new_tokens": 8, "per_source": 1}
-
-
-def prompt_overrides(prompts_config: str, per_source: int | None = None) -> list[str]:
-    """Overrides that give a method config the prompts config's `data` and `generation.max_new_tokens`
-    (`per_source`: only the first N prompts of each dataset)."""
-    from specdec.config import load_config, to_dict
-
-    cfg = load_config(prompts_config)
-    data = to_dict(cfg.data)
-    if per_source is not None:
-        for d in data["datasets"]:
-            d["limit"], d["per_category"] = per_source, None
-    return [f"data={json.dumps(data)}", f"generation.max_new_tokens={cfg.generation.max_new_tokens}"]
 
 
 def crossover(curve: dict[int, float]) -> int | None:

@@ -285,6 +285,20 @@ def load_method_configs(paths: Sequence[str], overrides: Sequence[str] = ()) -> 
     return methods
 
 
+def prompt_overrides(prompts_config: str, per_source: int | None = None) -> list[str]:
+    """Overrides that give a method config the prompts config's `data` and `generation.max_new_tokens`
+    (`per_source`: only the first N prompts of each dataset): one prompt set for every compared method, whatever
+    its own config reads (batch_scaling's and results_table's `--prompts`)."""
+    from specdec.config import load_config, to_dict
+
+    cfg = load_config(prompts_config)
+    data = to_dict(cfg.data)
+    if per_source is not None:
+        for d in data["datasets"]:
+            d["limit"], d["per_category"] = per_source, None
+    return [f"data={json.dumps(data)}", f"generation.max_new_tokens={cfg.generation.max_new_tokens}"]
+
+
 def method_configs_of(ap, items: Sequence[str]) -> list[tuple[str, Any]]:
     """`load_method_configs` of a benchmark's command-line positionals (`split_args`); a bad config is the
     parser's error (exit status 2, the reason printed)."""

@@ -3,6 +3,8 @@
     python -m benchmarks.results_table                     # the table below (METHODS x BATCH_SIZES)
     python -m benchmarks.results_table --smoke             # a check that it runs: 1 prompt per dataset, 8 tokens
     python -m benchmarks.results_table configs/benchmarks/ngram.yaml --batches 1   # another table, in runs/
+    python -m benchmarks.results_table configs/benchmarks/ngram.yaml --batches 1 \\
+        --prompts configs/benchmarks/untuned.yaml                # the same on prompt sets nobody tuned on
 
 The table's rows are the methods of `METHODS` (row label -> an experiment config of configs/benchmarks/, the
 configs `specdec run` and `bench_speculative` take), or the configs given; for each batch size (`--batches`) this
@@ -10,7 +12,12 @@ runs `bench_speculative`'s comparison of all the methods with the batch size ove
 prompt), and reports per cell (method, batch, dataset): tau, the speedup over AR and how many prompts' output
 equals AR's.
 
-The canonical run (the default methods and batch sizes, no overrides, no --smoke, no --out) writes docs/results/results_table/results.json
+The prompts are the methods' own (their configs' `data`, configs/benchmarks/base.yaml's for METHODS), or with
+`--prompts CONFIG` that config's `data` and `generation.max_new_tokens` for every method (e.g.
+configs/benchmarks/untuned.yaml, prompt sets no setting was tuned on); the table then names that prompt set in
+each dataset's column, and every cell records it (`prompt_set`).
+
+The canonical run (the default methods and batch sizes, no overrides, --prompts, --smoke or --out) writes docs/results/results_table/results.json
 and results.md and rewrites the README's table between `<!-- results-table:begin -->` and
 `<!-- results-table:end -->`; every row carries the machine, the commit and the load average. Any other run
 writes under runs/benchmarks/ and leaves the README alone, so a smoke test or a variant never replaces the table.
@@ -22,7 +29,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks import bench_speculative
-from benchmarks.common import REPO, DEFAULT_OUT, Report, load_method_configs, load_text, split_args
+from benchmarks.common import REPO, DEFAULT_OUT, Report, load_method_configs, load_text, prompt_overrides, split_args
 from experiments.sweep import release_memory
 
 # The README's table: row label -> the method's experiment config, and the batch sizes of its rows.
@@ -33,7 +40,7 @@ CONFIGS = REPO / "configs" / "benchmarks"
 CANONICAL_OUT = REPO / "docs" / "results" / "results_table"
 README = REPO / "README.md"
 BEGIN, END = "<!-- results-table:begin -->", "<!-- results-table:end -->"
-DATASET_NAMES = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval"}
+DATASET_NAMES = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "humaneval": "HumanEval", "mbpp": "MBPP"}
 
 
 MAP_COUNT = Path("/proc/sys/vm/max_map_count")
@@ -53,20 +60,22 @@ def check_map_count(methods: int, needed: int = 200_000) -> None:
 
 
 def smoke_overrides(config: str) -> list[str]:
-    """Overrides that shrink a run to a check that it works: one prompt per dataset, 8 new tokens."""
+    """Overrides that shrink a run to a check that it works: one prompt per dataset (of `config`: a method's, or
+    the `--prompts` config), 8 new tokens."""
     n = len(load_method_configs([config])[0][1].data.datasets)  # a config, or a sweep's first run
     return [f"data.datasets.{i}.limit=1" for i in range(n)] + ["generation.max_new_tokens=8"]
 
 
-def cells(rows: list[dict], labels: dict[str, str]) -> list[dict]:
-    """One cell per (method, batch, dataset) from bench_speculative's rows."""
+def cells(rows: list[dict], labels: dict[str, str], prompt_set: str | None = None) -> list[dict]:
+    """One cell per (method, batch, dataset) from bench_speculative's rows; `prompt_set`: the `--prompts` config's
+    name (None: the methods' own prompts)."""
     out = []
     for r in rows:
         if r["method"] == bench_speculative.AR:
             continue
         ar = next(a for a in rows if a["method"] == bench_speculative.AR and a["dataset"] == r["dataset"])
         out.append({"method": labels.get(r["method"], r["method"]), "config": r["method"], "batch": r["batch"],
-                    "dataset": r["dataset"], "prompts": r["prompts"], "tau": r["tau"], "speedup": r["speedup"],
+                    "dataset": r["dataset"], "prompt_set": prompt_set, "prompts": r["prompts"], "tau": r["tau"], "speedup": r["speedup"],
                     "speedup_interval": r["speedup_interval"], "same_as_ar": r["same_as_ar"], "tok_s": r["tok_s"],
                     "ar_tok_s": ar["tok_s"], "description": r["description"]})
     return out
@@ -77,16 +86,22 @@ def cell_text(c: dict) -> str:
     return f"{c['tau']:.2f} · {c['speedup']:.2f}x · {same}"
 
 
+def column_name(prompt_set: str | None, dataset: str) -> str:
+    """A dataset's column: its name, and the prompt set it was taken from unless it is the methods' own."""
+    name = DATASET_NAMES.get(dataset, dataset)
+    return f"{name}: tau · speedup · = AR" if prompt_set is None else f"{name} ({prompt_set}): tau · speedup · = AR"
+
+
 def table_rows(all_cells: list[dict], meta: dict) -> tuple[list[str], list[list]]:
-    """The README's table: one row per (method, batch), a column per dataset, then machine, commit and load."""
-    datasets = list(dict.fromkeys(c["dataset"] for c in all_cells))
-    header = ["drafter", "batch", *(f"{DATASET_NAMES.get(d, d)}: tau · speedup · = AR" for d in datasets),
-              "machine", "commit", "load avg"]
+    """The README's table: one row per (method, batch), a column per (prompt set, dataset), then machine, commit
+    and load."""
+    datasets = list(dict.fromkeys((c.get("prompt_set"), c["dataset"]) for c in all_cells))
+    header = ["drafter", "batch", *(column_name(*d) for d in datasets), "machine", "commit", "load avg"]
     m = meta["machine"]
     machine = f"{m['cpu']}, {m['cores']} cores"
     rows = []
     for key in dict.fromkeys((c["method"], c["batch"]) for c in all_cells):
-        by_dataset = {c["dataset"]: c for c in all_cells if (c["method"], c["batch"]) == key}
+        by_dataset = {(c.get("prompt_set"), c["dataset"]): c for c in all_cells if (c["method"], c["batch"]) == key}
         rows.append([key[0], key[1], *(cell_text(by_dataset[d]) if d in by_dataset else "-" for d in datasets),
                      machine, meta["commit"], load_text(meta)])
     return header, rows
@@ -116,6 +131,8 @@ def main(argv=None) -> dict:
                          "applied to every config")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES), help="batch sizes, one row each")
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (the speedup is their median)")
+    ap.add_argument("--prompts", metavar="CONFIG", help="a config whose data and generation.max_new_tokens every "
+                    "method runs with (e.g. configs/benchmarks/untuned.yaml; default: the methods' own)")
     ap.add_argument("--smoke", action="store_true", help="1 prompt per dataset and 8 new tokens: checks that it runs")
     ap.add_argument("--out", type=Path, help="where results.json and results.md go (default: docs/results/"
                                              "results_table for the canonical run, else runs/benchmarks/results_table)")
@@ -123,15 +140,18 @@ def main(argv=None) -> dict:
     paths, overrides = split_args(args.items)
     if any(b < 1 for b in args.batches) or args.repeats < 1:
         ap.error(f"--batches and --repeats must be >= 1, got {args.batches} and {args.repeats}")
-    canonical = (not paths and not overrides and not args.smoke and args.out is None
+    canonical = (not paths and not overrides and not args.smoke and args.out is None and args.prompts is None
                  and tuple(args.batches) == BATCH_SIZES and args.repeats == 1)
     methods = method_paths(paths)
-    table = {"methods": methods, "batch_sizes": args.batches, "repeats": args.repeats}
+    prompt_set = None if args.prompts is None else Path(args.prompts).stem
+    table = {"methods": methods, "batch_sizes": args.batches, "repeats": args.repeats, "prompts": args.prompts}
     try:
         labels = {Path(cfg).stem: label for label, cfg in table["methods"].items()}
         configs = list(table["methods"].values())
         if args.smoke:
-            overrides = smoke_overrides(configs[0]) + overrides
+            overrides = smoke_overrides(args.prompts or configs[0]) + overrides
+        if args.prompts is not None:
+            overrides = prompt_overrides(args.prompts) + overrides
         compared = load_method_configs(configs, overrides)  # fail now, not after the first batch size
     except ValueError as e:
         ap.error(str(e))
@@ -149,27 +169,27 @@ def main(argv=None) -> dict:
             target = build_target(cfg.model, cfg.mesh)
         result = bench_speculative.compare(method_configs, table["repeats"], target=target, drafters=drafters)
         results[f"batch_{batch}"] = result
-        all_cells += cells(result["rows"], labels)
+        all_cells += cells(result["rows"], labels, prompt_set)
         release_memory()  # this batch size's programs and freed buffers (benchmarks/batch_scaling.py)
     report.finish()
     header, rows = table_rows(all_cells, report.meta)
     cfg = load_method_configs(configs, overrides)[0][1]
     note = (f"{cfg.generation.max_new_tokens} new tokens, temperature {cfg.sampling.temperature:g}, "
             f"{table['repeats']} pass(es); each cell: tau (tokens per target step) · speedup over AR (decode time "
-            "per token, same run) · prompts whose output equals AR's")
+            "per token, same run) · prompts whose output equals AR's"
+            + ("" if args.prompts is None else f"; prompts: {args.prompts} ({prompt_set})"))
     markdown = report.table("Speculative decoding vs AR", header, rows, note=note)
     report.table("Methods", ["drafter", "config", "drafter / policy / scheduler"],
                  [[label, Path(path).relative_to(REPO) if Path(path).is_relative_to(REPO) else path,
                    next((c["description"] for c in all_cells if c["method"] == label), "-")]
                   for label, path in table["methods"].items()], echo=False)
-    report.write({"cells": all_cells, "runs": results})
+    report.write({"cells": all_cells, "runs": results, "prompts": args.prompts})
     if canonical:
         rewrite_readme(README, f"{note}.\n\n{markdown}\n\nCommand: `{report.meta['command']}` "
                                f"({report.meta['date'][:10]}; details in docs/results/results_table/results.md).")
     else:
-        print("not the canonical run (configs, overrides, --batches, --repeats, --smoke or --out given): README.md "
-              "left as it is",
-              flush=True)
+        print("not the canonical run (configs, overrides, --prompts, --batches, --repeats, --smoke or --out given): "
+              "README.md left as it is", flush=True)
     return {"cells": all_cells}
 
 

@@ -25,7 +25,8 @@ Python function ..."), since an instruction-tuned model answers a bare code prom
 (**) MBPP's standard prompt: the task text plus its assert statements, so the function name is known.
 `per_category: N` keeps the first N prompts of each category (e.g. 2 of each of MT-Bench's 8), then `limit`.
 `sample_seed: S` shuffles the records with seed S first (a random sample; the indices stay the file positions);
-`skip: N` then leaves out the first N of that order (a second sample that repeats none of a first `limit: N`).
+`skip: N` then leaves out the first N of that order (a second sample that repeats none of a first `limit: N`;
+MBPP's counted within its split); a skip that leaves no record is an error.
 MBPP splits follow the paper: test = task_id 11-510 (default), validation 511-600, train 601-974, prompt 1-10.
 
 Multi-turn MT-Bench as Spec-Bench runs it (`turns: 2`): each question gives one prompt per turn; turn t is the
@@ -143,8 +144,8 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
     if name in PROMPT_SETS:
         if ds.field is not None or ds.sources:
             raise DatasetError(f"dataset {name!r} is a built-in prompt set; `field` and `sources` do not apply to it")
-        items = [Prompt(name, i, ds.category or cat, text, None, "builtin")
-                 for i, (cat, text) in sample_order(builtin(name), ds.sample_seed, ds.skip)]
+        order = sample_order(builtin(name), ds.sample_seed, ds.skip, where=f"prompt set {name!r}")
+        items = [Prompt(name, i, ds.category or cat, text, None, "builtin") for i, (cat, text) in order]
         return _select(items, ds)
     records, where, label = load_records(name, ds.split, default_split="test")
     layout = detect_layout(records[0])
@@ -160,6 +161,7 @@ def load_prompts(ds: DatasetConfig, *, chat: bool = True) -> list[Prompt]:
         lo, hi = MBPP_SPLITS[split]
         if all("task_id" in r for r in records):
             records = [r for r in records if lo <= int(r["task_id"]) <= hi]
+            where = f"{where} (MBPP {split} split, task ids {lo}-{hi})"
     prompts, turns = [], {}
     for i, record in sample_order(records, ds.sample_seed, ds.skip, sources=ds.sources, label=label, where=where):
         if ds.limit and not ds.per_category and len(prompts) >= ds.limit:

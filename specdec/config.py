@@ -184,7 +184,8 @@ class DatasetConfig:
     # first N (files sorted by source, like the training prompts, otherwise give N of one source). None: file order.
     sample_seed: int | None = None
     # Leave out the first N records of that order (before `limit` and any exclusion): with the same sample_seed,
-    # a second data set of fresh prompts that repeats none of a first one's `limit: N`.
+    # a second data set of fresh prompts that repeats none of a first one's `limit: N`. MBPP's are counted within
+    # its split; N at or past the last record is an error when the records are read (`records.sample_order`).
     skip: int = 0
     # MT-Bench-style records (`turns` lists): answer the first N turns, each asked after the target's own greedy
     # (plain AR) answers to the turns before it, as Spec-Bench runs MT-Bench; every turn is one prompt.

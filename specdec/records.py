@@ -201,7 +201,11 @@ def sample_order(records: Sequence, seed: int | None, skip: int = 0, *, sources:
     """(file position, record) in file order, or in a permutation drawn from `seed` (a random sample when the
     caller then keeps the first N), without its first `skip` entries (a later sample that repeats none of an
     earlier one's N = skip). With `sources`, only the records whose `source` field (`label` where a record has
-    none) is one of them, in the same order; none left is an error naming the sources the file (`where`) has."""
+    none) is one of them, in the same order; none left is an error naming the sources the file (`where`) has, and
+    so is a `skip` that leaves out every record."""
+    if skip and skip >= len(records):
+        raise DataError(f"{where or 'the records'}: skip {skip} leaves no records (there are {len(records)}); "
+                        "skip must be below that")
     order = np.arange(len(records)) if seed is None else np.random.default_rng(seed).permutation(len(records))
     picked = [(int(i), records[int(i)]) for i in order[skip:]]
     if not sources:

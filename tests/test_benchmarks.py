@@ -138,10 +138,58 @@ def test_the_shipped_benchmark_configs_load_and_compare():
     """configs/benchmarks/: every method config loads (its scheduler knobs exist) and they share the run settings,
     so one benchmark run can compare them all."""
     folder = Path(__file__).resolve().parents[1] / "configs" / "benchmarks"
-    paths = sorted(str(p) for p in folder.glob("*.yaml") if p.stem not in ("base", "scaling"))  # not methods
+    prompt_sets = ("base", "scaling", "untuned")  # not methods: what the methods' prompts and settings are
+    paths = sorted(str(p) for p in folder.glob("*.yaml") if p.stem not in prompt_sets)
     methods = dict(load_method_configs(paths))
-    assert {"ngram", "suffix", "dspark_shipped", "hybrid"} <= set(methods)
+    assert {"ngram", "suffix", "self_spec", "draft_lm", "dspark_shipped", "hybrid"} <= set(methods)
+    assert all(cfg.scheduler.kind == "adaptive" for cfg in methods.values())
     assert methods["dspark_shipped"].drafter.path == "drafters/trained/dspark_smollm2_mix"
+    # draft_lm's model is the one checkpoint the registry names (the target), available offline once fetched
+    from specdec.models.registry import REGISTRY
+
+    assert methods["draft_lm"].drafter.params["model"] in REGISTRY
+    assert methods["self_spec"].drafter.params == {"num_layers": 24}  # the quickstart's self-speculation row
+
+
+def test_the_untuned_prompt_sets_skip_past_every_prompt_the_repo_reads():
+    """configs/benchmarks/untuned.yaml: 8 prompts each of MBPP's test split, GSM8K test and HumanEval, each taken
+    after the prompts every other config of the repo reads from that file (their `skip` + `limit`, and `limit`
+    alone from the first record), and no training prompt set (GPTeacher, self-instruct, awesome-chatgpt-prompts)."""
+    import yaml
+
+    from benchmarks.common import prompt_overrides
+    from specdec.config import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    untuned = load_config(repo / "configs" / "benchmarks" / "untuned.yaml")
+    sets = {Path(d.name).name: d for d in untuned.data.datasets}
+    assert set(sets) == {"mbpp.jsonl", "test.jsonl", "HumanEval.jsonl"}
+    assert all(d.limit == 8 and d.sample_seed is None and d.split is None for d in sets.values())  # MBPP: test split
+
+    def read_by_others(node):  # (file name, last record index read + 1) of every dataset entry in a config tree
+        if isinstance(node, dict):
+            if isinstance(node.get("name"), str) and node["name"].startswith("${SPECDEC_DATA}"):
+                if node.get("sample_seed") is None:  # a seeded sample is checked by its ids in the config's comment
+                    yield Path(node["name"]).name, node.get("skip", 0) + node.get("limit", 10 ** 9)
+            for value in node.values():
+                yield from read_by_others(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from read_by_others(value)
+
+    for path in (repo / "configs").rglob("*.yaml"):
+        if path.name == "untuned.yaml" or "train" in path.parts:  # training data: a whole file, decontaminated
+            continue
+        for name, end in read_by_others(yaml.safe_load(path.read_text())):
+            if name in sets and end < 10 ** 9:
+                assert end <= sets[name].skip, f"{path} reads {name} up to record {end}"
+    studies = repo / "configs" / "train" / "studies"
+    for study in ("answers_eval_sets.yaml", "answers_untuned_sets.yaml"):  # evaluation data read by training runs
+        for name, end in read_by_others(yaml.safe_load((studies / study).read_text())):
+            if name in sets and end < 10 ** 9:
+                assert end <= sets[name].skip, f"{study} reads {name} up to record {end}"
+    overrides = prompt_overrides(str(repo / "configs" / "benchmarks" / "untuned.yaml"))
+    assert overrides[1] == "generation.max_new_tokens=64" and '"skip": 192' in overrides[0]
 
 
 def test_a_sweep_file_is_one_method_per_run(tiny_configs, tmp_path):
@@ -313,6 +361,11 @@ def test_the_results_table_has_a_row_per_method_and_batch_with_provenance(tmp_pa
     assert header[:4] == ["drafter", "batch", "MT-Bench: tau · speedup · = AR", "GSM8K: tau · speedup · = AR"]
     assert [r[:2] for r in rows] == [["n-gram", 1], ["hybrid", 1], ["n-gram", 8], ["hybrid", 8]]
     assert rows[0][2:] == ["2.00 · 1.50x · 8/8", "2.00 · 1.50x · 8/8", "Some CPU, 2 cores", "abc1234", "0.50 -> 1.25"]
+    # cells of another prompt set (`--prompts`) have columns of their own, named after it
+    untuned = [{**c, "dataset": "mbpp", "prompt_set": "untuned"} for c in cells if c["dataset"] == "gsm8k"]
+    header, rows = table_rows(cells + untuned, meta)
+    assert header[2:5] == ["MT-Bench: tau · speedup · = AR", "GSM8K: tau · speedup · = AR",
+                           "MBPP (untuned): tau · speedup · = AR"]
 
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n## Results\n\n{BEGIN}\nold\n{END}\n\n## Next\n")
@@ -343,6 +396,51 @@ def test_the_results_table_runs_a_sweep_file(tiny_configs, tmp_path):
     assert results_table.README.read_text() == readme
 
 
+def test_the_results_table_runs_self_spec_and_draft_lm_on_a_prompts_config(tmp_path):
+    """configs/benchmarks/self_spec.yaml and draft_lm.yaml build and decode on the tiny target (self_spec on its
+    first layer, draft_lm on a tiny checkpoint of the same vocabulary), and `--prompts` gives every method another
+    config's prompts in the smoke path: each column and cell names that prompt set, every output equals AR's, and
+    the README is left alone. The fixed width keeps it fast (the adaptive width's skips and
+    catch-ups for these drafters: tests/test_catch_up.py)."""
+    from benchmarks import results_table
+    from tests.test_loading import write_hf_dir
+
+    configs = results_table.CONFIGS
+    write_hf_dir(tmp_path / "draft_model")
+    self_spec = _write(tmp_path / "self_spec.yaml", f"""\
+        extends: {configs / "self_spec.yaml"}
+        model: {{name: tiny, max_seq_len: 512}}
+        drafter: {{params: {{num_layers: 1}}}}
+        tracking: {{backend: none}}
+        """)
+    draft_lm = _write(tmp_path / "draft_lm.yaml", f"""\
+        extends: {configs / "draft_lm.yaml"}
+        model: {{name: tiny, max_seq_len: 512}}
+        drafter: {{params: {{model: {tmp_path / "draft_model"}}}}}
+        tracking: {{backend: none}}
+        """)
+    extra = tmp_path / "later.jsonl"
+    extra.write_text("".join(json.dumps({"prompt": f"count {i} {i + 1} {i + 2} {i}"}) + "\n" for i in range(3)))
+    prompts = _write(tmp_path / "held_out.yaml", f"""\
+        generation: {{max_new_tokens: 16}}
+        data: {{datasets: [{{name: quickstart, limit: 2}}, {{name: {extra}, skip: 2}}], chat_template: false}}
+        """)
+    readme = results_table.README.read_text()
+    out = tmp_path / "out"
+    got = results_table.main([self_spec, draft_lm, "scheduler.kind=fixed", "--prompts", prompts, "--batches", "1",
+                              "--smoke", "--out", str(out)])
+    assert sorted((c["method"], c["dataset"], c["prompt_set"], c["prompts"]) for c in got["cells"]) == sorted(
+        (m, d, "held_out", 1) for m in ("self_spec", "draft_lm") for d in ("quickstart", "later"))
+    assert all(c["same_as_ar"] == [1, 1] for c in got["cells"])
+    md = (out / "results.md").read_text()
+    assert "| quickstart (held_out): tau · speedup · = AR | later (held_out): tau · speedup · = AR |" in md
+    assert f"prompts: {prompts} (held_out)" in md and "8 new tokens" in md  # --smoke's, not the prompts config's 16
+    assert json.loads((out / "results.json").read_text())["results"]["prompts"] == prompts
+    assert results_table.README.read_text() == readme
+    with pytest.raises(SystemExit):  # a prompts config that does not load is the parser's error
+        results_table.main([self_spec, "--prompts", str(tmp_path / "missing.yaml"), "--out", str(out)])
+
+
 def test_the_readme_has_the_results_table_markers():
     from benchmarks.results_table import BEGIN, END, README
 
@@ -367,3 +465,32 @@ def test_bench_plain_round_prices_a_skipped_draft_against_ar(tiny_configs, tmp_p
     assert "| ngram_adaptive | 1 |" in (out / "results.md").read_text()
     with pytest.raises(ValueError, match="scheduler.kind is 'fixed'"):
         bench_plain_round.main([ngram, "--repeats", "1", "--out", str(tmp_path / "x")])
+
+
+def test_bench_plain_round_times_the_catch_up_without_copying_the_loop_state(tiny_configs):
+    """The catch-up bench_plain_round times is the drafter's update alone, as the loop runs it in place: its
+    program's output is the drafter's state (n-gram's: nothing), not the loop state with the target's KV cache,
+    which XLA copies into the output of a program that returns it undonated (the negative control: `catch_up`
+    jitted whole, as the benchmark timed it when n-gram's catch-up read 87 ms at batch 16)."""
+    import jax
+
+    from benchmarks import bench_plain_round
+    from benchmarks.common import build_methods
+    from experiments.build import build_target
+    from specdec.drafter import CATCH_UP
+    from specdec.engine import catch_up
+
+    ngram, _ = tiny_configs
+    adaptive = _write(Path(ngram).parent / "ngram_adaptive.yaml", "extends: ngram.yaml\nscheduler: {kind: adaptive}\n")
+    method_configs = load_method_configs([adaptive], ["generation.batch_size=4"])
+    cfg = method_configs[0][1]
+    target = build_target(cfg.model, cfg.mesh)
+    method = build_methods(method_configs, target, log=lambda _: None)[0]
+    loop = bench_plain_round.build_loop(target, method, cfg, 8)
+    state = loop.state(target, 0, CATCH_UP + 1)
+    cache_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state.cache))
+    params = method.drafter.params
+    alone = bench_plain_round.drafter_catch_up.lower(
+        loop.spec, params, state.drafter_state, dataclasses.replace(state, drafter_state=None)).compile()
+    whole = jax.jit(catch_up, static_argnames=("spec",)).lower(loop.spec, params, state).compile()
+    assert alone.memory_analysis().output_size_in_bytes < cache_bytes <= whole.memory_analysis().output_size_in_bytes

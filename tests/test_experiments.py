@@ -402,6 +402,15 @@ def test_dataset_layouts(tmp_path):
     assert [p.question_id for p in load_prompts(DatasetConfig(mt, sample_seed=0, skip=1))] == [81, 82]
     with pytest.raises(ConfigError, match="skip"):
         DatasetConfig(mt, skip=-1)
+    assert [p.question_id for p in load_prompts(DatasetConfig(mt, skip=2))] == [91]  # file order: the last one
+    with pytest.raises(DatasetError, match=r"question.jsonl: skip 3 leaves no records \(there are 3\)"):
+        load_prompts(DatasetConfig(mt, skip=3))
+    # MBPP: skip counts within the split (test = task ids 11-510), so it takes the test prompts after the first N
+    mbpp = write_jsonl(tmp_path / "mbpp.jsonl", [{"task_id": i, "text": f"task {i}", "test_list": [f"assert f({i})"]}
+                                                 for i in (5, 11, 12, 13, 600)])
+    assert [p.question_id for p in load_prompts(DatasetConfig(mbpp, skip=1, limit=1))] == [12]
+    with pytest.raises(DatasetError, match=r"MBPP test split, task ids 11-510\): skip 3 leaves no records"):
+        load_prompts(DatasetConfig(mbpp, skip=3))
     tagged = write_jsonl(tmp_path / "tagged.jsonl", [{"source": src, "prompt": f"p{i}"}
                                                      for i, src in enumerate(["code", "chat", "code", "math"])])
     assert [p.text for p in load_prompts(DatasetConfig(tagged, sources=("code", "math"), limit=2))] == ["p0", "p2"]
