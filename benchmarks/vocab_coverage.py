@@ -171,7 +171,10 @@ def drafter_vocab(path: str | Path, vocab_size: int, target_name: str) -> np.nda
 
 
 def token_text(tokenizer, token_id: int) -> str:
-    return repr(tokenizer.decode([token_id], skip_special_tokens=False))
+    """A token's text, quoted; a byte-level token holding part of a multi-byte character decodes to U+FFFD alone,
+    so those are named by id."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return f"<id {token_id}: part of a character>" if "\ufffd" in text else repr(text)
 
 
 def main(argv=None) -> dict:
