@@ -562,15 +562,22 @@ class DistillData:
         return {"tokens": tokens, "loss_mask": mask, "lengths": lengths}
 
 
-def pool_distill_data(parts: Sequence[tuple[str, DistillData]]) -> DistillData:
-    """Several data sets (name, data) as one: examples concatenated in order. They must come from the same target
-    (the manifests' target and vocabulary); the pool keeps the first manifest, plus `pooled_from` (the names)."""
+def check_same_target(parts: Sequence[tuple[str, DistillData]], doing: str) -> None:
+    """Data sets (name, data) that are used together must come from the same target: the manifests' target and
+    vocabulary agree, else a DataError names the two sets and the key (`doing`: what was to be done with them)."""
     (first_name, first), rest = parts[0], parts[1:]
     for name, data in rest:
         for key in ("target", "vocab_size"):
             if data.manifest.get(key) != first.manifest.get(key):
-                raise DataError(f"cannot train on {first_name} and {name} together: their {key} differs "
+                raise DataError(f"cannot {doing} {first_name} and {name} together: their {key} differs "
                                 f"({first.manifest.get(key)!r} vs {data.manifest.get(key)!r})")
+
+
+def pool_distill_data(parts: Sequence[tuple[str, DistillData]]) -> DistillData:
+    """Several data sets (name, data) as one: examples concatenated in order. They must come from the same target
+    (`check_same_target`); the pool keeps the first manifest, plus `pooled_from` (the names)."""
+    check_same_target(parts, "train on")
+    first, rest = parts[0][1], parts[1:]
     if not rest:
         return first
     cat = lambda attr: [x for _, d in parts for x in getattr(d, attr)]  # noqa: E731
