@@ -3,6 +3,7 @@
     python -m benchmarks.batch_scaling                       # METHODS x BATCH_SIZES on configs/benchmarks/scaling.yaml
     python -m benchmarks.batch_scaling --smoke               # a check that it runs: 4 prompts, <= 8 tokens, batch 1-4
     python -m benchmarks.batch_scaling configs/benchmarks/ngram.yaml --batches 1 8 64
+    python -m benchmarks.batch_scaling --refill              # and, beside each batch >= 2, its rows refilled
 
 The prompts are those of `--prompts` (default configs/benchmarks/scaling.yaml: 16 each of MT-Bench, GSM8K,
 HumanEval and MBPP), as ONE mixed set taken in turn from each source, so every batch mixes them and a batch of all
@@ -18,19 +19,31 @@ AR's beside it: what refilling finished rows would win) and how many outputs equ
 speedup (the floor: 0.97x AR) and the crossover batch, the smallest batch from which on it runs below AR; and
 speedup_vs_batch.png. One process, one sitting: the ratios are comparable only within it (note the load average).
 
+`--refill` adds, at each batch B >= 2 smaller than the prompt set, AR and each method decoding all the prompts (and
+lengths) in B rows, a finished row refilled from the queue of the others: a server's batch. The methods run
+`specdec.engine.generate_refilled` (with `scheduler.objective: throughput` where the scheduler is adaptive; drafters
+with Python state, suffix decoding, cannot be refilled and are left out); "refilled AR" is AR's own decode step in
+the continuous batcher `specdec.generate.generate_continuous` (what `specdec data` runs), whose loop returns to the
+host for refills as `generate_refilled`'s does, `--refill-rows` rows at a time. Per (method, batch): decode tok/s,
+tok/s including every prefill (the refills' included) and the host's work between loop calls, the speedup over
+static AR and over refilled AR at that batch, tau, the idle fraction (the static cell's beside it) and outputs ==
+AR per prompt (greedy); dashed lines in the plot.
+
 Writes runs/benchmarks/batch_scaling/results.{json,md} and speedup_vs_batch.png (`--out`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 from benchmarks import bench_speculative
-from benchmarks.common import DEFAULT_OUT, REPO, Report, load_method_configs, load_text, prompt_overrides, split_args
+from benchmarks.common import (DEFAULT_OUT, REPO, Report, build_methods, decode_ar_refilled, decode_refilled,
+                               load_config_prompts, load_method_configs, load_text, prompt_overrides, split_args)
 from benchmarks.results_table import CONFIGS, check_map_count, method_paths
-from experiments.sweep import release_memory
+from experiments.sweep import release_memory, trim_heap
 
 BATCH_SIZES = (1, 4, 8, 16, 32, 64)
 PROMPTS = CONFIGS / "scaling.yaml"
@@ -38,6 +51,14 @@ PROMPTS = CONFIGS / "scaling.yaml"
 LENGTHS = (16, 24, 32, 48, 64)
 FLOOR = 0.97  # never slower: the lowest speedup over AR a method may show at any batch
 SMOKE = {"batches": (1, 2, 4), "lengths": (4, 8), "max_new_tokens": 8, "per_source": 1}
+# Rows refilled per return of the loop to the host (`--refill-rows`). A return costs a host sync, the transfer of a
+# few [B, capacity] int32 arrays and the refill's dispatches, small beside one decode step at batch 8-64 on a CPU
+# (a plain round took 43-58 ms at batch 8, 178 ms at 32, 330 ms at 64 in the round-cost profiles of
+# docs/results/batch_scaling/ngram_log.txt), whereas refilling R rows at a time makes each finished row wait for
+# R - 1 others: on average (R - 1) / (2B) of the row-steps idle (6% at R = 2, B = 8). The prefills cost the same in
+# total whatever R (each prompt once). So one row per return, unless returns cost a large share of a step, as on an
+# accelerator whose steps take milliseconds.
+REFILL_ROWS = 1
 
 
 def crossover(curve: dict[int, float]) -> int | None:
@@ -86,7 +107,8 @@ def cells(result: dict, batch: int, labels: dict[str, str]) -> list[dict]:
     for r in rows:
         iterations = sum(r["width_rounds"]) if r.get("width_rounds") else None
         out.append({"method": labels.get(r["method"], r["method"]), "batch": batch, "prompts": r["prompts"],
-                    "tok_s": r["tok_s"], "ar_tok_s": ar["tok_s"], "speedup": r["speedup"], "tau": r["tau"],
+                    "tok_s": r["tok_s"], "tok_s_e2e": r["tok_s_e2e"], "ar_tok_s": ar["tok_s"], "speedup": r["speedup"],
+                    "tau": r["tau"],
                     "skipped": r["skipped_drafts"] / iterations if iterations else None,
                     "idle_fraction": r["idle_fraction"], "ar_idle_fraction": ar["idle_fraction"],
                     "same_as_ar": r["same_as_ar"], "description": r["description"],
@@ -145,6 +167,84 @@ def summary(all_cells: list[dict]) -> tuple[list[str], list[list], dict]:
     return header, rows, curves
 
 
+def with_throughput_objective(cfg):
+    """`cfg` with `scheduler.objective: throughput` where its scheduler has that setting (the adaptive width): a
+    batch that refills its rows is worth the tokens all its rows commit, not how soon its last row ends."""
+    fields = {f.name for f in dataclasses.fields(cfg.scheduler)}
+    if "objective" not in fields:
+        return cfg
+    return dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, objective="throughput"))
+
+
+def refill_cells(method_configs, batch: int, refill_rows: int, target, drafters: dict, lengths, ar_outputs: dict,
+                 static: list[dict], labels: dict[str, str]) -> list[dict]:
+    """AR and each method decoding every prompt in `batch` rows refilled from the queue (`refill_rows` rows per
+    return to the host), one pass, AR first: one cell each, compared with this batch's static cells (`static`) and
+    AR's outputs per prompt key (`ar_outputs`). No cells when the prompts fit one batch (nothing to refill)."""
+    cfg = method_configs[0][1]
+    prompts = load_config_prompts(cfg, target, mixed=True, lengths=lengths)
+    keys = [p.key for p in prompts.items]
+    ids = prompts.batch_ids(prompts.items)
+    limits = prompts.batch_limits(prompts.items, cfg.generation.max_new_tokens)
+    limits = [limits] * len(ids) if isinstance(limits, int) else limits
+    if batch >= len(ids):
+        print(f"batch {batch}: the {len(ids)} prompts fit one batch, nothing to refill", flush=True)
+        return []
+    print(f"batch {batch}, rows refilled ({refill_rows} per return):", flush=True)
+    seed = cfg.sampling.seed
+    runs = [(bench_speculative.AR, "AR's decode step, rows refilled (generate_continuous)",
+             decode_ar_refilled(cfg, target, ids, batch, refill_rows, limits, seed))]
+    trim_heap()
+    served = [(name, with_throughput_objective(c)) for name, c in method_configs]
+    for method in build_methods(served, target, drafters=drafters):
+        if not method.drafter.jittable or method.compiled is False:  # rows are refilled in the compiled loop only
+            why = "generation.compiled_loop is off" if method.drafter.jittable else "its drafter keeps Python state"
+            print(f"  {method.name}: not refilled ({why})", flush=True)
+            continue
+        method.reset()
+        runs.append((method.name, method.description,
+                     decode_refilled(method, target, ids, batch, refill_rows, limits, seed)))
+        trim_heap()
+    here = {c["method"]: c for c in static if c["batch"] == batch}
+    ar, ar_refilled = here[bench_speculative.AR], runs[0][2][1]
+    greedy = cfg.sampling.temperature == 0
+
+    def e2e(m):
+        return m.new_tokens / (m.decode_seconds + m.prefill_seconds)
+
+    out = []
+    for name, description, (tokens, m) in runs:
+        label = labels.get(name, name)
+        same = sum(t == ar_outputs[k] for k, t in zip(keys, tokens))
+        cell = {"method": label, "batch": batch, "prompts": len(ids), "refill_rows": refill_rows,
+                "tok_s": m.tokens_per_second, "tok_s_e2e": e2e(m),
+                "vs_static_ar": m.tokens_per_second / ar["tok_s"], "vs_static_ar_e2e": e2e(m) / ar["tok_s_e2e"],
+                "vs_refilled_ar": m.tokens_per_second / ar_refilled.tokens_per_second,
+                "vs_refilled_ar_e2e": e2e(m) / e2e(ar_refilled), "tau": m.tau, "idle_fraction": m.idle_fraction,
+                "static_idle_fraction": here[label]["idle_fraction"] if label in here else None,
+                "same_as_ar": [same, len(keys)] if greedy else None, "description": description}
+        out.append(cell)
+        print(f"  {label:16s} {cell['tok_s']:.1f} tok/s ({cell['tok_s_e2e']:.1f} incl. prefills)  "
+              f"{cell['vs_static_ar']:.2f}x static AR  idle {_pct(cell['idle_fraction'])}  = AR "
+              + ("n/a (sampled)" if cell["same_as_ar"] is None else "{}/{}".format(*cell["same_as_ar"])), flush=True)
+    return out
+
+
+def refill_table(cells_: list[dict]) -> tuple[list[str], list[list]]:
+    header = ["method", "batch", "tok/s", "tok/s incl. prefills", "vs static AR", "vs refilled AR", "tau",
+              "idle (static)", "= AR"]
+    rows = []
+    for c in cells_:
+        ar = c["method"] == bench_speculative.AR
+        same = "n/a (sampled)" if c["same_as_ar"] is None else "{}/{}".format(*c["same_as_ar"])
+        rows.append([c["method"] + " refilled", c["batch"], f"{c['tok_s']:.1f}", f"{c['tok_s_e2e']:.1f}",
+                     f"{c['vs_static_ar']:.2f}x / {c['vs_static_ar_e2e']:.2f}x",
+                     f"{c['vs_refilled_ar']:.2f}x / {c['vs_refilled_ar_e2e']:.2f}x",
+                     "1.00" if ar else f"{c['tau']:.2f}",
+                     f"{_pct(c['idle_fraction'])} ({_pct(c['static_idle_fraction'])})", same])
+    return header, rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
@@ -158,6 +258,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (the speedup is their median)")
     ap.add_argument("--smoke", action="store_true", help=f"{SMOKE['per_source']} prompt per dataset, lengths "
                     f"{SMOKE['lengths']}, batches {SMOKE['batches']}: checks that it runs")
+    ap.add_argument("--refill", action="store_true",
+                    help="beside each batch of 2 or more rows, AR and each method with finished rows refilled from "
+                         "the queue of the other prompts (the methods with scheduler.objective=throughput)")
+    ap.add_argument("--refill-rows", type=int, help="with --refill: the loop returns to the host to refill once this "
+                                                    f"many rows are done (default {REFILL_ROWS})")
     ap.add_argument("--out", type=Path, help="where results.json, results.md and the plot go "
                                              "(default runs/benchmarks/batch_scaling)")
     args = ap.parse_intermixed_args(argv)  # configs and overrides before or after the options
@@ -167,6 +272,16 @@ def main(argv=None) -> dict:
     if any(b < 1 for b in args.batches) or any(n < 1 for n in args.lengths) or args.repeats < 1:
         ap.error(f"--batches, --lengths and --repeats must be >= 1, got {args.batches}, {args.lengths} and "
                  f"{args.repeats}")
+    if args.refill_rows is not None and not args.refill:
+        ap.error("--refill-rows sets how --refill refills rows: give --refill too")
+    refill_rows = REFILL_ROWS if args.refill_rows is None else args.refill_rows
+    refilled = sorted(b for b in args.batches if b >= 2) if args.refill else []
+    if args.refill and not refilled:
+        ap.error(f"--refill refills the rows of a batch of 2 or more, but --batches is {args.batches}")
+    if refill_rows < 1 or (refilled and refill_rows > refilled[0]):
+        ap.error(f"--refill-rows must be in [1, the smallest refilled batch], got {refill_rows} with batch "
+                 f"{refilled[0] if refilled else '-'}: a batch refills at most its own rows (lower --refill-rows "
+                 "or leave the smaller batches out of --batches)")
     methods = method_paths(paths)
     labels = {Path(cfg).stem: label for label, cfg in methods.items()}
     configs = list(methods.values())
@@ -184,7 +299,7 @@ def main(argv=None) -> dict:
                  f"{cfg.generation.max_new_tokens}")
     out = args.out or DEFAULT_OUT / ("batch_scaling_smoke" if args.smoke else "batch_scaling")
     report = Report(__file__, argv, out, title="Batch scaling")
-    target, drafters, all_cells, results = None, {}, [], {}
+    target, drafters, all_cells, results, refill_all = None, {}, [], {}, []
     for batch in args.batches:
         method_configs = load_method_configs(configs, [*overrides, f"generation.batch_size={batch}"])
         if target is None:
@@ -193,11 +308,16 @@ def main(argv=None) -> dict:
             target = build_target(cfg.model, cfg.mesh)
         print(f"batch {batch}:", flush=True)
         result = bench_speculative.compare(method_configs, args.repeats, target=target, drafters=drafters,
-                                           mixed=True, lengths=args.lengths)
+                                           mixed=True, lengths=args.lengths, ar_outputs=batch in refilled)
+        ar_outputs = result.pop("ar_outputs", None)
         results[f"batch_{batch}"] = result
         all_cells += cells(result, batch, labels)
         out.mkdir(parents=True, exist_ok=True)  # each batch's cells as it ends: a run killed later keeps them
         (out / "cells_so_far.json").write_text(json.dumps(all_cells, indent=1, default=str))
+        if batch in refilled:
+            refill_all += refill_cells(method_configs, batch, refill_rows, target, drafters, args.lengths,
+                                       ar_outputs, all_cells, labels)
+            (out / "refill_cells_so_far.json").write_text(json.dumps(refill_all, indent=1, default=str))
         # No program of this batch size runs again, and glibc keeps the freed buffers resident: one adaptive call at
         # batch 16 (389 MB caches) left the process at 3.9 GB RSS, 1.4 GB after the trim; the run that reached
         # batch 64 was killed at 21 GB.
@@ -224,14 +344,33 @@ def main(argv=None) -> dict:
                  [[label, Path(path).relative_to(REPO) if Path(path).is_relative_to(REPO) else path,
                    next((c["description"] for c in all_cells if c["method"] == label), "-")]
                   for label, path in methods.items()], echo=False)
-    report.write({"cells": all_cells, "runs": results, "lengths": args.lengths, "prompts": args.prompts})
+    refill_curves: dict[str, dict[int, float]] = {}
+    for c in refill_all:
+        refill_curves.setdefault(c["method"], {})[c["batch"]] = c["vs_static_ar"]
+    if args.refill:
+        left_out = sorted(set(labels.values()) - set(refill_curves))
+        report.table("Rows refilled from the queue", *refill_table(refill_all), note=(
+            f"all {refill_all[0]['prompts'] if refill_all else '-'} prompts in B rows, a finished row refilled from "
+            f"the queue of the others, the loop returning to the host once {refill_rows} row(s) are done; one pass "
+            "per cell, run after the batch's static cells. Refilled AR: AR's own decode step (one target step per "
+            "row and token, as in `generate`'s loop) in the continuous batcher `generate.generate_continuous`, "
+            "refilled the same way; the methods: `engine.generate_refilled`, scheduler.objective=throughput where "
+            "the scheduler is adaptive. tok/s incl. prefills: new tokens over the loop's time plus all the rest of "
+            "the run (the first batch's and every refill's prefill, the host's reading of finished rows); vs static "
+            "/ refilled AR: the ratio of decode tok/s / of tok/s incl. prefills (the static cells' incl. their own "
+            "prefills); idle: row-steps spent on finished rows (the static cell's in brackets); a refilled batch's "
+            "cache fits the longest prompt of all, a static batch's its own. = AR: outputs equal to static AR's at "
+            "this batch, per prompt. Not refilled: " + (", ".join(left_out) or "none")))
+    report.write({"cells": all_cells, "runs": results, "lengths": args.lengths, "prompts": args.prompts,
+                  "refill": {"refill_rows": refill_rows, "cells": refill_all, "curves": refill_curves}
+                  if args.refill else None})
     from experiments.plots import speedup_vs_batch
 
-    plot = speedup_vs_batch(curves, out / "speedup_vs_batch.png", floor=FLOOR,
+    plot = speedup_vs_batch(curves, out / "speedup_vs_batch.png", floor=FLOOR, dashed=refill_curves,
                             title=f"speedup over AR by batch size ({report.meta['commit']}, load "
-                                  f"{load_text(report.meta)})")
+                                  f"{load_text(report.meta)})" + ("; dashed: rows refilled" if refill_curves else ""))
     print(f"wrote {plot}", flush=True)
-    return {"cells": all_cells, "summary": rows}
+    return {"cells": all_cells, "summary": rows, "refill_cells": refill_all}
 
 
 if __name__ == "__main__":

@@ -166,11 +166,12 @@ def table_row(r: dict) -> list:
 
 
 def compare(method_configs, repeats: int = 1, log: Callable[[str], None] = print, target=None,
-            drafters: dict | None = None, mixed: bool = False, lengths=()) -> dict:
+            drafters: dict | None = None, mixed: bool = False, lengths=(), ar_outputs: bool = False) -> dict:
     """The whole comparison for `load_method_configs`' (name, config) pairs: {"rows": summarise's rows,
     "methods": name -> its description and config}. `target` / `drafters`: reuse what an earlier call built
     (results_table runs one comparison per batch size). `mixed`, `lengths`: the prompts as one mixed set, each
-    with its own number of new tokens (`load_config_prompts`; the batch-scaling benchmark)."""
+    with its own number of new tokens (`load_config_prompts`; the batch-scaling benchmark). `ar_outputs`: also
+    {"ar_outputs": prompt key -> AR's tokens (first pass)}, for runs compared with AR elsewhere."""
     from experiments.build import build_target
     from specdec.config import to_dict
 
@@ -183,15 +184,19 @@ def compare(method_configs, repeats: int = 1, log: Callable[[str], None] = print
     log(f"{len(prompts.items)} prompts ({counts}); batch {cfg.generation.batch_size}, "
         f"{cfg.generation.max_new_tokens} new tokens, temperature {cfg.sampling.temperature:g}; "
         f"{repeats} pass(es); methods: " + "; ".join(f"{m.name} = {m.description}" for m in methods))
-    rows = summarise(interleaved_passes(target, methods, prompts, repeats, log), methods, prompts)
+    passes = interleaved_passes(target, methods, prompts, repeats, log)
+    rows = summarise(passes, methods, prompts)
     for r in rows:
         cells = table_row(r)
         log(f"{cells[0]:10s} B={cells[1]} {cells[2]:16s} tau {cells[3]}  {cells[5]} tok/s ({cells[6]} incl. prefill)"
             f"  {cells[7]}  = AR {cells[9]}")
         if r.get("cost_fit"):
             log("    " + fit_line(r["cost_fit"]))
-    return {"rows": rows, "methods": {m.name: {"description": m.description, "config": to_dict(m.cfg)}
-                                      for m in methods}}
+    result = {"rows": rows, "methods": {m.name: {"description": m.description, "config": to_dict(m.cfg)}
+                                        for m in methods}}
+    if ar_outputs:
+        result["ar_outputs"] = {k: v for d in prompts.datasets for k, v in _outputs(passes[0][AR][d]).items()}
+    return result
 
 
 def main(argv=None) -> dict:

@@ -472,6 +472,43 @@ def decode_method(method: Method, target, batch_ids: list[list[int]], seed: int,
     return out.tokens, out.metrics
 
 
+def decode_ar_refilled(cfg, target, ids: list[list[int]], batch: int, refill_rows: int, limits: list[int],
+                       seed: int = 0):
+    """(tokens in prompt order, DecodeMetrics) of AR decoding all of `ids` in `batch` rows refilled from the queue:
+    AR's own decode step in the continuous batcher (`specdec.generate.generate_continuous`, what `specdec data`
+    runs), whose loop returns to the host once `refill_rows` rows are done, as `generate_refilled`'s does, and
+    whose host prefills the next prompts into them. Warmed up (its two programs compiled, untimed). Decode time:
+    the loop's; prefill time: all the rest (the prefills, the host's reading of finished rows)."""
+    from specdec.generate import ContinuousStats, continuous_shapes, generate_continuous
+    from specdec.metrics import DecodeMetrics
+
+    shapes = continuous_shapes(target, [len(p) for p in ids], max(limits), batch, refill_rows,
+                               max_seq_len=cfg.model.max_seq_len)
+    stats = ContinuousStats()
+    out = dict(generate_continuous(target, ids, list(range(len(ids))), shapes, cfg.sampling.to_params(), seed, stats,
+                                   warmup=True, max_new_tokens=limits))
+    metrics = DecodeMetrics(new_tokens=stats.new_tokens, rounds=stats.decode_kept, accepted_draft_tokens=0,
+                            proposed_draft_tokens=0, prefill_seconds=stats.seconds - stats.decode_seconds,
+                            decode_seconds=stats.decode_seconds, draft_seconds=0.0,
+                            verify_seconds=stats.decode_seconds,
+                            batch_size=len(ids), row_steps=stats.decode_row_steps)
+    return [out[i] for i in range(len(ids))], metrics
+
+
+def decode_refilled(method: Method, target, ids: list[list[int]], batch: int, refill_rows: int, limits: list[int],
+                    seed: int = 0):
+    """(tokens in prompt order, DecodeMetrics) of `method` decoding all of `ids` in `batch` rows refilled from the
+    queue (`specdec.engine.generate_refilled`), warmed up like `decode_method`."""
+    from specdec.engine import generate_refilled
+
+    cfg = method.cfg
+    out = generate_refilled(target, method.drafter, ids, batch_size=batch, refill_rows=refill_rows,
+                            policy=method.policy, max_new_tokens=limits, sampling=cfg.sampling.to_params(), seed=seed,
+                            max_seq_len=cfg.model.max_seq_len, scheduler=method.scheduler,
+                            verify_buckets=cfg.verify.buckets, warmup=True)
+    return out.tokens, out.metrics
+
+
 # ----------------------------------------------------------------------------------------------------------
 # transformers (the peer)
 # ----------------------------------------------------------------------------------------------------------

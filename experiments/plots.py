@@ -138,14 +138,22 @@ def speedup_by_category(runs: dict[str, dict[str, float]], path: Path, title: st
 
 
 def speedup_vs_batch(curves: dict[str, dict[int, float]], path: Path, title: str = "",
-                     floor: float | None = None) -> Path:
+                     floor: float | None = None, dashed: dict[str, dict[int, float]] | None = None,
+                     dashed_label: str = "refilled") -> Path:
     """Speedup over AR against the batch size (log-2 axis), one line per method ({method: {batch: speedup}}),
-    with AR's 1.0 and, if given, the `floor` a method must not fall below."""
+    with AR's 1.0 and, if given, the `floor` a method must not fall below. `dashed`: more curves of the same form,
+    dashed, each in the colour of the method of its name (AR's: black), labelled "<name>, `dashed_label`"."""
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    batches = sorted({b for c in curves.values() for b in c})
+    dashed = dashed or {}
+    batches = sorted({b for c in [*curves.values(), *dashed.values()] for b in c})
+    colours = {"AR": "black"}
     for name, curve in curves.items():
         xs = sorted(curve)
-        ax.plot(xs, _nan_gaps([curve[b] for b in xs]), "o-", label=name)
+        (line,) = ax.plot(xs, _nan_gaps([curve[b] for b in xs]), "o-", label=name)
+        colours[name] = line.get_color()
+    for name, curve in dashed.items():
+        xs = sorted(curve)
+        ax.plot(xs, _nan_gaps([curve[b] for b in xs]), "s--", color=colours.get(name), label=f"{name}, {dashed_label}")
     ax.axhline(1.0, color="black", lw=0.8, label="AR")
     if floor is not None:
         ax.axhline(floor, color="grey", lw=0.8, ls="--", label=f"{floor:g}x AR")

@@ -553,7 +553,8 @@ def speculative_generate(target: Target, drafter: Drafter, prompts: Sequence[Seq
 def generate_refilled(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, batch_size: int,
                       refill_rows: int = 1, policy: str | Policy = "greedy_chain",
                       max_new_tokens: int | Sequence[int] = 64, sampling: SamplingParams = GREEDY, seed: int = 0,
-                      max_seq_len: int | None = None, scheduler=None, verify_buckets=None) -> SpecOutput:
+                      max_seq_len: int | None = None, scheduler=None, verify_buckets=None,
+                      warmup: bool = False) -> SpecOutput:
     """Speculative decoding of more prompts than rows: `batch_size` rows run the compiled loop, which returns to the
     host once `refill_rows` of them are done (`LoopState.stop_at`); the host then prefills the next prompts into
     those rows and the loop goes on. A row that finished thus does not idle until the batch's longest row ends.
@@ -566,7 +567,12 @@ def generate_refilled(target: Target, drafter: Drafter, prompts: Sequence[Sequen
     shapes at two batch sizes, so any drafter's state is refilled without knowing its layout. Greedy output equals
     AR's per prompt; the outputs come back in prompt order. Drafters with Python state (`jittable = False`) are
     refused: their per-row state lives outside the loop's arrays. `scheduler.objective: throughput` values a round
-    by the tokens it commits over the rows, the objective of a batch that refills its rows."""
+    by the tokens it commits over the rows, the objective of a batch that refills its rows.
+
+    The metrics' decode time is the time inside the compiled loop; their prefill time is all the rest of the run:
+    the prefills of the first batch and of every refill, and the host's reading of the finished rows at each return
+    (what a smaller `refill_rows` pays more often). `warmup=True` first runs every program of the run on the
+    first prompts for 2 tokens each (untimed), so neither time includes compilation."""
     if not drafter.jittable:
         raise ValueError(f"generate_refilled refills rows of the compiled loop; drafter {drafter.name!r} keeps "
                          "Python state per row (use speculative_generate)")
@@ -581,54 +587,69 @@ def generate_refilled(target: Target, drafter: Drafter, prompts: Sequence[Sequen
     batch = min(batch_size, num_prompts)
     measured = scheduler.prepare(LoopProbe(spec, target, all_tokens[:batch], all_lengths[:batch], capacity, True))
 
-    def fresh(index):  # the started state of prompts `index` (padded with copies of the last to `len(index)`)
+    def fresh(index, row_limits):  # the started state of prompts `index` (padded with copies of the last)
         ready = prefilled(spec, target, drafter, target.init_cache(len(index), capacity), all_tokens[index],
                           all_lengths[index], capacity, seed, rows=index)
         sched = scheduler.init_state(len(index), n, drafter.evidence_classes, measured)
-        return ready.state(limits[index], sched, last_use=True)
+        return ready.state(row_limits[index], sched, last_use=True)
 
-    t0 = time.perf_counter()
-    state = dataclasses.replace(fresh(np.arange(batch)), stop_at=jnp.asarray(refill_rows, jnp.int32))
-    holder = list(range(batch))  # the prompt each row holds (-1: none)
-    queue, steps, rows_out = batch, 0, {}
-    prefill_s, decode_s = time.perf_counter() - t0, 0.0
-    shapes = [jax.eval_shape(lambda: dataclasses.replace(fresh(np.zeros(r, np.int64)), stop_at=jnp.int32(0)))
+    shapes = [jax.eval_shape(lambda: dataclasses.replace(fresh(np.zeros(r, np.int64), limits), stop_at=jnp.int32(0)))
               for r in (refill_rows, refill_rows + 1)]
     axes = _batch_axes(*shapes)
-    while True:
-        t0 = time.perf_counter()
-        rounds_before = np.asarray(state.rounds)
-        state = compiled_loop(spec, target.params, drafter.params, state)
+
+    def run(count: int, row_limits):
+        """Decodes prompts 0..count-1 (count >= batch) with `row_limits` new tokens each. Returns (per prompt:
+        tokens, accept lengths, accepted, proposed; loop iterations; seconds in the loop; seconds outside it:
+        the prefills and the host's reading of finished rows; the final state)."""
+        t_start = time.perf_counter()
+        state = dataclasses.replace(fresh(np.arange(batch), row_limits), stop_at=jnp.asarray(refill_rows, jnp.int32))
+        holder = list(range(batch))  # the prompt each row holds (-1: none)
+        queue, steps, rows_out, decode_s = batch, 0, {}, 0.0
+        while True:
+            jax.block_until_ready(state)  # the prefills (and the drafter's init) are the host's part, not the loop's
+            rounds_before = np.asarray(state.rounds)
+            t0 = time.perf_counter()
+            state = compiled_loop(spec, target.params, drafter.params, state)
+            jax.block_until_ready(state)
+            decode_s += time.perf_counter() - t0
+            seq, seq_len, done, rounds, committed = map(to_host, (state.seq, state.seq_len, state.done,
+                                                                  state.rounds, state.round_committed))
+            steps += int(np.max(rounds - rounds_before))  # the row finishing last ran every iteration
+            accepted, proposed = to_host(state.accepted), to_host(state.proposed)
+            free = []
+            for row, held in enumerate(holder):
+                if held >= 0 and done[row]:
+                    rows_out[held] = (seq[row, all_lengths[held]: seq_len[row]].tolist(),
+                                      committed[row, : rounds[row]].tolist(), int(accepted[row]), int(proposed[row]))
+                    holder[row] = -1
+                if holder[row] < 0:
+                    free.append(row)
+            if queue >= count:
+                if all(h < 0 for h in holder):
+                    break
+                state = dataclasses.replace(state, stop_at=jnp.asarray(batch, jnp.int32))  # drain
+                continue
+            while free and queue < count:
+                take = list(range(queue, min(queue + refill_rows, queue + len(free), count)))
+                index = np.asarray(take + [take[-1]] * (refill_rows - len(take)))
+                slots = np.asarray(free[:len(take)] + [batch] * (refill_rows - len(take)), np.int32)  # batch: dropped
+                state = _insert(axes, state, fresh(index, row_limits), jnp.asarray(slots))
+                for row, i in zip(free, take):
+                    holder[row] = i
+                free, queue = free[len(take):], queue + len(take)
+        return rows_out, steps, decode_s, time.perf_counter() - t_start - decode_s, state
+
+    if warmup:  # every program the run calls, the prompts decoded for 2 tokens: the first batch's prefill, the
+        # loop and an insert of refill_rows prompts; then, rows dropped, an insert of each smaller count (more rows
+        # done at once than a multiple of refill_rows, or the queue's end): its padding copies are prefilled once
+        # (`prefill_distinct`), a program per count of distinct prompts
+        *_, state = run(min(num_prompts, batch + refill_rows), np.minimum(limits, 2))
+        for k in range(1, refill_rows if num_prompts > batch else 1):
+            index = np.minimum(np.arange(refill_rows), k - 1)
+            state = _insert(axes, state, fresh(index, limits), jnp.full(refill_rows, batch, jnp.int32))
         jax.block_until_ready(state)
-        decode_s += time.perf_counter() - t0
-        seq, seq_len, done, rounds, committed = map(to_host, (state.seq, state.seq_len, state.done, state.rounds,
-                                                              state.round_committed))
-        steps += int(np.max(rounds - rounds_before))  # the row finishing last ran every iteration
-        accepted, proposed = to_host(state.accepted), to_host(state.proposed)
-        free = []
-        for row, held in enumerate(holder):
-            if held >= 0 and done[row]:
-                rows_out[held] = (seq[row, all_lengths[held]: seq_len[row]].tolist(),
-                                  committed[row, : rounds[row]].tolist(), int(accepted[row]), int(proposed[row]))
-                holder[row] = -1
-            if holder[row] < 0:
-                free.append(row)
-        if queue >= num_prompts:
-            if all(h < 0 for h in holder):
-                break
-            state = dataclasses.replace(state, stop_at=jnp.asarray(batch, jnp.int32))  # drain
-            continue
-        t0 = time.perf_counter()
-        while free and queue < num_prompts:
-            take = list(range(queue, min(queue + refill_rows, queue + len(free), num_prompts)))
-            index = np.asarray(take + [take[-1]] * (refill_rows - len(take)))
-            slots = np.asarray(free[:len(take)] + [batch] * (refill_rows - len(take)), np.int32)  # batch: dropped
-            state = _insert(axes, state, fresh(index), jnp.asarray(slots))
-            for row, i in zip(free, take):
-                holder[row] = i
-            free, queue = free[len(take):], queue + len(take)
-        jax.block_until_ready(state)
-        prefill_s += time.perf_counter() - t0
+        del state
+    rows_out, steps, decode_s, prefill_s, state = run(num_prompts, limits)
 
     order = range(num_prompts)
     tokens = [rows_out[i][0] for i in order]

@@ -260,7 +260,8 @@ class DecodeState(NamedTuple):
     token: jax.Array  # int32 [B] the last sampled token (the next step's input)
     out: jax.Array  # int32 [B, max_new_tokens] sampled tokens, -1 padded
     count: jax.Array  # int32 [B] tokens sampled so far
-    done: jax.Array  # bool [B] finished (EOS / max_new_tokens) or holding no prompt
+    done: jax.Array  # bool [B] finished (EOS / its limit) or holding no prompt
+    limit: jax.Array  # int32 [B] the new tokens its prompt asks for (<= the run's max_new_tokens)
     keys: jax.Array  # uint32 [B, 2] the row's prompt key; token t is drawn with fold_in(key, t)
     row_steps: jax.Array  # int32 [] decode row-steps run (B per step), for the utilisation figure
     kept: jax.Array  # int32 [] decode row-steps that produced a kept token
@@ -284,13 +285,13 @@ def _row_sample(keys, counts, logits, sampling: SamplingParams):
 
 
 @functools.partial(jax.jit, static_argnames=("forward", "cfg", "sampling", "eos_ids"), donate_argnames=("state",))
-def insert_prompts(params, state: DecodeState, tokens, lengths, slots, prompt_keys, *, forward: Callable, cfg,
-                   sampling: SamplingParams, eos_ids: tuple[int, ...]) -> DecodeState:
+def insert_prompts(params, state: DecodeState, tokens, lengths, slots, prompt_keys, limits, *, forward: Callable,
+                   cfg, sampling: SamplingParams, eos_ids: tuple[int, ...]) -> DecodeState:
     """Prefill R right-padded prompts (tokens [R, W], lengths [R]) and place them in decode rows `slots` [R]
-    (a slot >= B is a padding entry and is dropped): their K/V go to cache positions 0..W-1 of those rows, their
-    first token is sampled, and the rows restart. The state is donated, so the big cache is updated in place."""
+    (a slot >= B is a padding entry and is dropped), each row to stop after `limits` [R] new tokens: their K/V go
+    to cache positions 0..W-1 of those rows, their first token is sampled, and the rows restart. The state is
+    donated, so the big cache is updated in place."""
     r, width = tokens.shape
-    max_new = state.out.shape[1]
     eos = jnp.asarray(eos_ids or (NO_EOS,), jnp.int32)
     stacked = jax.tree.leaves(state.cache.k)[0].ndim == 5
     small = init_cache(cfg, r, width, stacked=stacked, dtype=jax.tree.leaves(state.cache.k)[0].dtype)
@@ -304,12 +305,13 @@ def insert_prompts(params, state: DecodeState, tokens, lengths, slots, prompt_ke
     cache = KVCache(k=jax.tree.map(place, state.cache.k, prefilled.k),
                     v=jax.tree.map(place, state.cache.v, prefilled.v),
                     lengths=state.cache.lengths.at[slots].set(lengths, mode="drop"))
-    rows_out = jnp.full((r, max_new), -1, jnp.int32).at[:, 0].set(first)
+    rows_out = jnp.full((r, state.out.shape[1]), -1, jnp.int32).at[:, 0].set(first)
     return state._replace(
         cache=cache, token=state.token.at[slots].set(first, mode="drop"),
         out=state.out.at[slots].set(rows_out, mode="drop"),
         count=state.count.at[slots].set(1, mode="drop"),
-        done=state.done.at[slots].set(jnp.isin(first, eos) | (max_new <= 1), mode="drop"),
+        done=state.done.at[slots].set(jnp.isin(first, eos) | (limits <= 1), mode="drop"),
+        limit=state.limit.at[slots].set(limits, mode="drop"),
         keys=state.keys.at[slots].set(prompt_keys, mode="drop"))
 
 
@@ -335,8 +337,8 @@ def decode_chunk(params, state: DecodeState, return_when_done, *, forward: Calla
         at = jnp.minimum(s.count, max_new - 1)
         out = s.out.at[rows, at].set(jnp.where(live, token, s.out[rows, at]))
         count = s.count + live.astype(jnp.int32)
-        done = s.done | jnp.isin(token, eos) | (count >= max_new)
-        return DecodeState(cache, token, out, count, done, s.keys, s.row_steps + batch,
+        done = s.done | jnp.isin(token, eos) | (count >= s.limit)
+        return DecodeState(cache, token, out, count, done, s.limit, s.keys, s.row_steps + batch,
                            s.kept + jnp.sum(live.astype(jnp.int32)))
 
     return jax.lax.while_loop(cond, body, state)
@@ -352,6 +354,7 @@ class ContinuousStats:
     chunks: int = 0
     inserts: int = 0
     seconds: float = 0.0  # wall time inside the generator (device work and host refill; not the consumer's)
+    decode_seconds: float = 0.0  # the part of `seconds` spent in decode chunks (the rest: inserts and the host)
 
     @property
     def utilisation(self) -> float:
@@ -377,8 +380,10 @@ def continuous_shapes(target: Target, prompt_lengths: Sequence[int], max_new_tok
 
 def generate_continuous(target: Target, prompts: Sequence[Sequence[int]], prompt_seeds: Sequence[int],
                         shapes: ContinuousShapes, sampling: SamplingParams = GREEDY, seed: int = 0,
-                        stats: ContinuousStats | None = None, warmup: bool = False):
+                        stats: ContinuousStats | None = None, warmup: bool = False,
+                        max_new_tokens: Sequence[int] | None = None):
     """Continuous batching: yields (prompt index, new tokens with EOS if it stopped there) as each prompt ends.
+    Prompt i stops after `max_new_tokens[i]` new tokens (default: `shapes.max_new_tokens` for every prompt).
 
     `batch_size` decode rows run in one compiled while_loop (`decode_chunk`) that returns to the host as soon
     as `insert_rows` of them are finished; the host then prefills the next prompts into those rows' cache slots
@@ -396,6 +401,12 @@ def generate_continuous(target: Target, prompts: Sequence[Sequence[int]], prompt
         raise ValueError(f"{len(prompts)} prompts but {len(prompt_seeds)} prompt seeds")
     stats = stats if stats is not None else ContinuousStats()
     b, r, width = shapes.batch_size, shapes.insert_rows, shapes.width
+    limits = np.full(len(prompts), shapes.max_new_tokens, np.int32) if max_new_tokens is None \
+        else np.asarray(max_new_tokens, np.int32)
+    if limits.shape != (len(prompts),) or (len(prompts) and not 1 <= limits.min() <= limits.max()
+                                           <= shapes.max_new_tokens):
+        raise ValueError(f"max_new_tokens must give each of the {len(prompts)} prompts a limit in [1, "
+                         f"{shapes.max_new_tokens}] (the run's shapes), got {list(np.ravel(max_new_tokens))}")
     for i, p in enumerate(prompts):
         if not 1 <= len(p) <= width:
             raise ValueError(f"prompt {i} has {len(p)} tokens; the run's prompt width is {width}")
@@ -405,12 +416,13 @@ def generate_continuous(target: Target, prompts: Sequence[Sequence[int]], prompt
     all_keys = np.asarray(jax.vmap(lambda s: jax.random.fold_in(base, s))(jnp.asarray(prompt_seeds, jnp.uint32)))
     state = DecodeState(cache=target.init_cache(b, shapes.capacity), token=jnp.zeros((b,), jnp.int32),
                         out=jnp.full((b, shapes.max_new_tokens), -1, jnp.int32), count=jnp.zeros((b,), jnp.int32),
-                        done=jnp.ones((b,), bool), keys=jnp.zeros((b, 2), jnp.uint32),
+                        done=jnp.ones((b,), bool), limit=jnp.full((b,), shapes.max_new_tokens, jnp.int32),
+                        keys=jnp.zeros((b, 2), jnp.uint32),
                         row_steps=jnp.int32(0), kept=jnp.int32(0))
     if warmup:
         state = insert_prompts(target.params, state, jnp.full((r, width), pad, jnp.int32), jnp.ones((r,), jnp.int32),
-                               jnp.full((r,), b, jnp.int32), jnp.zeros((r, 2), jnp.uint32), forward=target.forward,
-                               cfg=target.cfg, sampling=sampling, eos_ids=eos_ids)
+                               jnp.full((r,), b, jnp.int32), jnp.zeros((r, 2), jnp.uint32), jnp.ones((r,), jnp.int32),
+                               forward=target.forward, cfg=target.cfg, sampling=sampling, eos_ids=eos_ids)
         state = decode_chunk(target.params, state, jnp.int32(0), forward=target.forward, cfg=target.cfg,
                              sampling=sampling, eos_ids=eos_ids)
         state.out.block_until_ready()
@@ -425,20 +437,26 @@ def generate_continuous(target: Target, prompts: Sequence[Sequence[int]], prompt
             tokens = np.full((r, width), pad, np.int32)
             lengths = np.ones((r,), np.int32)
             keys = np.zeros((r, 2), np.uint32)
+            row_limits = np.ones((r,), np.int32)
             for j, i in enumerate(take):
                 slots[j], holder[free[j]] = free[j], i
                 tokens[j, : len(prompts[i])] = prompts[i]
-                lengths[j], keys[j] = len(prompts[i]), all_keys[i]
+                lengths[j], keys[j], row_limits[j] = len(prompts[i]), all_keys[i], limits[i]
             state = insert_prompts(target.params, state, jnp.asarray(tokens), jnp.asarray(lengths),
-                                   jnp.asarray(slots), jnp.asarray(keys), forward=target.forward, cfg=target.cfg,
-                                   sampling=sampling, eos_ids=eos_ids)
+                                   jnp.asarray(slots), jnp.asarray(keys), jnp.asarray(row_limits),
+                                   forward=target.forward, cfg=target.cfg, sampling=sampling, eos_ids=eos_ids)
             free, queue = free[len(take):], queue + len(take)
             stats.inserts += 1
         if all(h < 0 for h in holder):
             break
-        # with prompts waiting, come back once a full insert's worth of rows is free; at the end, drain
+        # with prompts waiting, come back once a full insert's worth of rows is free; at the end, drain. The
+        # inserts are waited for first, so that their prefills count as the host's part, not the chunk's.
+        jax.block_until_ready(state)
+        t1 = time.perf_counter()
         state = decode_chunk(target.params, state, jnp.int32(r if queue < len(prompts) else b),
                              forward=target.forward, cfg=target.cfg, sampling=sampling, eos_ids=eos_ids)
+        jax.block_until_ready(state)
+        stats.decode_seconds += time.perf_counter() - t1
         stats.chunks += 1
         done, count, out = np.asarray(state.done), np.asarray(state.count), np.asarray(state.out)
         finished = []

@@ -278,6 +278,52 @@ def test_batch_scaling_time_factors_multiply_to_the_speedup():
     assert time_factors({**row, "round_costs": None}, ar, 8) is None
 
 
+def test_batch_scaling_refill_smoke_has_a_refilled_row_per_method_and_ars_tokens(tiny_configs, tmp_path, capsys):
+    """`--smoke --refill` on the tiny target: at batch 2 (of 4 prompts, one per source; batch 4 holds them all, no
+    refill) AR and the n-gram method decode every prompt in refilled rows, each prompt's output equal to static
+    AR's; suffix decoding (Python state) is named as not refilled. An adaptive method runs refilled with the
+    throughput objective (the n-gram method's fixed width has none). Bad refill options are errors that name them."""
+    from benchmarks import batch_scaling
+
+    ngram, suffix = tiny_configs
+    adaptive = _write(tmp_path / "ngram_adaptive.yaml", """\
+        extends: ngram.yaml
+        scheduler: {kind: adaptive}
+        """)
+    sources = []
+    for s in range(3):
+        sources.append(tmp_path / f"source{s}.jsonl")
+        sources[-1].write_text(json.dumps({"prompt": f"count {s} {s + 1} {s + 2} {s} {s + 1}"}) + "\n")
+    prompts = _write(tmp_path / "prompts.yaml", f"""\
+        generation: {{max_new_tokens: 9}}
+        data: {{datasets: [{{name: quickstart, limit: 3}}, {', '.join(f'{{name: {p}}}' for p in sources)}],
+                chat_template: false}}
+        """)
+    out = tmp_path / "out"
+    result = batch_scaling.main([ngram, suffix, "--prompts", prompts, "--smoke", "--refill", "--out", str(out)])
+    refilled = {(c["method"], c["batch"]): c for c in result["refill_cells"]}
+    assert set(refilled) == {("AR", 2), ("ngram", 2)}
+    assert all(c["same_as_ar"] == [4, 4] and c["prompts"] == 4 and c["refill_rows"] == 1 for c in refilled.values())
+    assert refilled[("AR", 2)]["vs_refilled_ar"] == 1.0 and refilled[("AR", 2)]["tau"] == 1.0
+    assert {(c["method"], c["batch"]) for c in result["cells"]} == {
+        (m, b) for m in ("AR", "ngram", "suffix") for b in (1, 2, 4)}  # the static cells as before
+    data = json.loads((out / "results.json").read_text())
+    assert data["results"]["refill"]["curves"] == {m: {"2": refilled[(m, 2)]["vs_static_ar"]} for m in ("AR", "ngram")}
+    md = (out / "results.md").read_text()
+    assert "Rows refilled from the queue" in md and "| ngram refilled | 2 |" in md
+    assert "Not refilled: suffix" in md
+    cfg = dict(load_method_configs([adaptive, ngram]))
+    assert batch_scaling.with_throughput_objective(cfg["ngram_adaptive"]).scheduler.objective == "throughput"
+    assert batch_scaling.with_throughput_objective(cfg["ngram"]) == cfg["ngram"]  # a fixed width has no objective
+    for bad, message in [(["--refill-rows", "2"], "give --refill too"),
+                         (["--refill", "--batches", "1"], "a batch of 2 or more"),
+                         (["--refill", "--refill-rows", "3", "--batches", "2", "4"], "--refill-rows must be in"),
+                         (["--refill", "--refill-rows", "0"], "--refill-rows must be in")]:
+        with pytest.raises(SystemExit):
+            batch_scaling.main([ngram, "--prompts", prompts, *bad, "--out", str(out)])
+        assert message in capsys.readouterr().err
+
+
 def test_bench_speculative_counts_ar_equality_at_temperature_for_the_invariant_policies(tiny_configs, tmp_path):
     """At T > 0 the invariant policies commit AR's own sampled tokens, so "= AR" is counted (every prompt equal,
     no first divergence); rejection sampling gives a sample of AR's law, not AR's sample: not counted."""

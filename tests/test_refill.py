@@ -9,6 +9,7 @@ the prompt, not the row it lands in (same tokens as one batch of all the prompts
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 from drafters import create_drafter
@@ -84,3 +85,44 @@ def test_sampled_refill_is_keyed_by_the_prompt_not_the_row(monkeypatch):
     real = engine.prefilled
     monkeypatch.setattr(engine, "prefilled", lambda *a, rows=None, **k: real(*a, **k))  # rows 0..R-1
     assert generate_refilled(target, drafter, PROMPTS_10, batch_size=3, **run).tokens != together
+
+
+def _compiles_after_the_timed_run_starts(monkeypatch, num_draft_tokens: int, **run) -> tuple[int, int]:
+    """(programs traced or compiled before the timed run's first loop call, after it) in one `generate_refilled`
+    call of an n-gram drafter drafting `num_draft_tokens` (drafters of equal settings share compiled programs). The
+    timed run's loop calls are those with a limit above the warm-up's 2 tokens; its first batch's prefill repeats
+    the warm-up's (the same prompts, the same program)."""
+    events, marks = [], []
+
+    def listen(event, duration, **kwargs):
+        if event.startswith("/jax/core/compile"):
+            events.append(event)
+
+    real = engine.compiled_loop
+
+    def loop(spec, tparams, dparams, state):
+        if not marks and np.asarray(state.limit).max() > 2:  # numpy: a jnp reduction here would compile
+            marks.append(len(events))
+        return real(spec, tparams, dparams, state)
+
+    monkeypatch.setattr(engine, "compiled_loop", loop)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        target = peaky_target(6)
+        drafter = create_drafter("ngram", target, num_draft_tokens, max_ngram=3)
+        out = generate_refilled(target, drafter, PROMPTS_10, batch_size=3, max_new_tokens=LIMITS, **run)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert out.tokens == generate(target, PROMPTS_10, max_new_tokens=LIMITS).tokens
+    return marks[0], len(events) - marks[0]
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_a_warmed_up_refilled_run_compiles_nothing_while_timed(monkeypatch, warmup):
+    """`warmup=True` runs every program of the run first (the loop, an insert of 2 prompts and one of 1: 10
+    prompts, 3 rows, the queue's last insert holds 1), so the timed run traces and compiles nothing. Without it
+    (the negative control; a drafter whose loop no test compiled before) the loop compiles in the timed run."""
+    before, after = _compiles_after_the_timed_run_starts(monkeypatch, 5 if warmup else 6, refill_rows=2,
+                                                         warmup=warmup)
+    assert before > 0
+    assert (after == 0) == warmup, after

@@ -311,11 +311,11 @@ def eos_target(target):
 
 
 def continuous(target, prompts, batch_size, insert_rows, sampling=SamplingParams(0.0), seed=0, seeds=None,
-               max_new_tokens=24):
+               max_new_tokens=24, limits=None):
     shapes = G.continuous_shapes(target, [len(p) for p in prompts], max_new_tokens, batch_size, insert_rows)
     stats = G.ContinuousStats()
     seeds = list(range(len(prompts))) if seeds is None else seeds
-    out = dict(G.generate_continuous(target, prompts, seeds, shapes, sampling, seed, stats))
+    out = dict(G.generate_continuous(target, prompts, seeds, shapes, sampling, seed, stats, max_new_tokens=limits))
     assert sorted(out) == list(range(len(prompts)))
     return [out[i] for i in range(len(prompts))], stats
 
@@ -344,6 +344,22 @@ def test_continuous_generation_equals_generate_at_temperature_0(eos_target):
     assert got == [r[:5] for r in want]
     got, _ = continuous(eos_target, MIXED_PROMPTS, 4, 2, max_new_tokens=1)
     assert got == [r[:1] for r in want]
+
+
+def test_continuous_generation_stops_each_prompt_at_its_own_limit(eos_target):
+    """Per-prompt limits (the batch-scaling benchmark's refilled AR: prompts asking for different numbers of new
+    tokens) give each prompt `generate`'s tokens for its own limit, in refilled rows; the run's one limit for all
+    (the negative control) does not. Decode time is part of the generator's time."""
+    limits = [3, 11, 1, 7, 24, 2, 12, 5][: len(MIXED_PROMPTS)] + [9] * max(0, len(MIXED_PROMPTS) - 8)
+    want = generate(eos_target, MIXED_PROMPTS, max_new_tokens=limits).tokens
+    got, stats = continuous(eos_target, MIXED_PROMPTS, 3, 1, limits=limits)
+    assert got == want
+    assert stats.decode_kept == sum(len(r) - 1 for r in want) and 0 < stats.decode_seconds <= stats.seconds
+    assert continuous(eos_target, MIXED_PROMPTS, 3, 1)[0] != want
+    with pytest.raises(ValueError, match=r"a limit in \[1, 24\]"):
+        continuous(eos_target, MIXED_PROMPTS, 3, 1, limits=[25] * len(MIXED_PROMPTS))
+    with pytest.raises(ValueError, match="max_new_tokens must give each of the"):
+        continuous(eos_target, MIXED_PROMPTS, 3, 1, limits=[5])
 
 
 def test_continuous_sampling_depends_only_on_the_prompt_and_its_seed(eos_target):
