@@ -333,9 +333,9 @@ def main(argv=None) -> dict:
     report.table("Speedup by batch size, the floor and the crossover", header, rows,
                  note=f"crossover batch: the smallest batch from which on the method runs below AR; floor: "
                       f"{FLOOR}x AR at every batch")
-    header, rows = factors_table(all_cells)
-    if rows:
-        report.table("Where the time went", header, rows,
+    factors_header, factors_rows = factors_table(all_cells)
+    if factors_rows:
+        report.table("Where the time went", factors_header, factors_rows,
                      note="speedup = (AR steps / iterations) x (iterations / plain-round units) x (AR step / plain "
                           "round): what acceptance saved, what the drafted rounds cost above plain ones (from the "
                           "adaptive width's profiled round costs; a cut draft is one `refine` verified at width 0), "

@@ -250,6 +250,7 @@ def test_batch_scaling_mixes_the_sources_and_reports_speedup_idle_and_crossover(
     first = data["results"]["runs"]["batch_6"]["rows"][0]
     assert first["prompts"] == 6 and first["dataset"] == "mixed"
     assert (out / "speedup_vs_batch.png").stat().st_size > 0
+    assert [row[0] for row in result["summary"]] == ["ngram", "suffix"]  # the floor / crossover rows, per method
     assert "crossover" in (out / "results.md").read_text()
     assert batch_scaling.crossover({1: 1.3, 8: 0.9, 16: 1.01, 32: 0.95, 64: 0.9}) == 32
     assert batch_scaling.crossover({1: 1.3, 64: 1.0}) is None and batch_scaling.crossover({1: 0.9, 4: 0.8}) == 1

@@ -330,9 +330,10 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array
     The cache slots are the rows of each product: per (row, KV head), scores [S, G*T] = K [S, HD] x Q [HD, G*T]
     (the G query heads sharing the KV head and the T new tokens merged into G*T columns), then out [G*T, HD] =
     P^T [G*T, S] x V [S, HD]; only the small query / output blocks are transposed, never the [S, HD] slabs.
-    The other form, query rows ([G*T, HD] x [HD, S]), cost the same at batch <= 32 but at batch 64 on XLA:CPU
-    ran a 2-token step 2.4x slower (1053 against 432 ms on SmolLM2 with 528 cache slots; 1.6-2.1x at 3 to 8
-    tokens), so a verify round cost 3.3 plain decode steps where its tokens' work is 1.5 (docs/BENCHMARKS.md).
+    The other form, query rows ([G*T, HD] x [HD, S]), costs about the same at batch <= 32, but at batch 64 with
+    the speculative loop's 528 cache slots XLA:CPU ran it 4.4x slower (30 layers at T = 2: 799 against 180 ms,
+    `python -m benchmarks.bench_attention`), and a verify round cost 3.3 plain decode steps where its tokens' work
+    is 1.5 (docs/BENCHMARKS.md).
     T = 1 (plain decode) keeps its own function (`_attend_one`). Scores, softmax and the value accumulation are
     float32.
     """
